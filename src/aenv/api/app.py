@@ -1,0 +1,141 @@
+"""Assemble the server: store + runtime driver + manager + control-plane routes + proxy.
+
+`build_server(config)` returns the ASGI application. Request flow:
+  EdgeRouter -> sandbox traffic?  SandboxProxy (envd token checked by envd itself)
+             -> otherwise         ApiKeyAuth -> Starlette control-plane routes
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from aenv.api.errors import error_response, from_aenv_error
+from aenv.api.proxy import SandboxProxy, route_by_headers, route_by_signature
+from aenv.api.routes import SandboxRoutes
+from aenv.config import Config
+from aenv.errors import AenvError
+from aenv.images.base import build_base_layer
+from aenv.orchestrator.manager import SandboxManager
+from aenv.orchestrator.models import TemplateRecord
+from aenv.orchestrator.store import Store
+from aenv.runtime.registry import load_driver
+from aenv.storage.layout import Layout
+
+log = logging.getLogger("aenv.api")
+
+UNAUTHENTICATED_PATHS = frozenset({"/health", "/metrics"})
+
+
+class ApiKeyAuth:
+    """Checks `X-API-Key` on every control-plane route except health and metrics."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.api_key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in UNAUTHENTICATED_PATHS:
+            given = next((v for k, v in scope["headers"] if k == b"x-api-key"), b"")
+            if not hmac.compare_digest(given, self.api_key):
+                message = "missing API key" if not given else "invalid API key"
+                await error_response(401, f"{message}: send X-API-Key")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class EdgeRouter:
+    """Sends sandbox traffic to the proxy and everything else to the control plane."""
+
+    def __init__(self, control: ASGIApp, proxy: SandboxProxy, domain: str | None) -> None:
+        self.control = control
+        self.proxy = proxy
+        self.domain = domain
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            target = route_by_headers(scope, self.domain) or (
+                route_by_signature(scope, self.proxy.access_tokens) if scope["type"] == "http"
+                else None)
+            if target is not None:
+                await self.proxy(scope, receive, send, target)
+                return
+        await self.control(scope, receive, send)
+
+
+@dataclass
+class Server:
+    app: ASGIApp
+    manager: SandboxManager
+    api_key: str
+
+
+def base_template(config: Config, layer_id: str) -> TemplateRecord:
+    s = config.sandbox
+    return TemplateRecord(template_id="base", names=["base"], layers=[layer_id],
+                          cpu_count=s.cpu_count, memory_mb=s.memory_mb,
+                          disk_size_mb=s.disk_size_mb, default_user=s.default_user)
+
+
+def build_server(config: Config, show_progress: bool = True) -> Server:
+    layout = Layout(config.home)
+    layout.ensure()
+    api_key = config.server.api_key or layout.api_key()
+    store = Store(layout.database)
+    driver = load_driver(config.runtime.driver, config)
+
+    async def ensure_templates() -> None:
+        layer = await asyncio.to_thread(build_base_layer, layout.layers_dir, layout.cache_dir,
+                                        show_progress)
+        wanted = base_template(config, layer.name)
+        current = store.find_template("base")
+        if current is None or current.layers != wanted.layers:
+            store.put_template(wanted)
+
+    manager = SandboxManager(config, layout, store, driver, ensure_templates)
+    proxy = SandboxProxy(manager)
+    routes = SandboxRoutes(manager, config)
+
+    async def health(_: Request) -> Response:
+        return Response(status_code=204)
+
+    async def on_aenv_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, AenvError)
+        return from_aenv_error(exc)
+
+    async def on_http_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return error_response(exc.status_code, str(exc.detail))
+
+    async def on_crash(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(500, f"internal error: {type(exc).__name__}")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        await manager.start()
+        try:
+            yield
+        finally:
+            await manager.close()
+            store.close()
+
+    control = Starlette(
+        routes=[Route("/health", health, methods=["GET"]), *routes.routes()],
+        exception_handlers={AenvError: on_aenv_error, HTTPException: on_http_error,
+                            Exception: on_crash},
+        lifespan=lifespan,
+    )
+    app = EdgeRouter(ApiKeyAuth(control, api_key), proxy, config.server.domain)
+    return Server(app=app, manager=manager, api_key=api_key)

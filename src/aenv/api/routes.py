@@ -1,0 +1,172 @@
+"""E2B control-plane routes (v1 and v2 sandbox endpoints), as the e2b 2.63 SDK calls them.
+
+Each handler parses and validates, calls the `SandboxManager`, and shapes the answer; every
+`AenvError` is turned into `{code, message}` JSON by the exception handler in `api.app`.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any, TypeVar
+from urllib.parse import parse_qsl, unquote
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from aenv.api.schemas import (
+    ConnectSandbox,
+    NewSandbox,
+    PauseBody,
+    TimeoutBody,
+    detail_body,
+    listed_body,
+    metric_body,
+    sandbox_body,
+)
+from aenv.config import Config
+from aenv.errors import invalid
+from aenv.orchestrator.manager import SandboxManager
+from aenv.orchestrator.models import CreateRequest, ListQuery
+
+M = TypeVar("M", bound=BaseModel)
+
+
+async def parse_body(request: Request, model: type[M], allow_empty: bool = False) -> M:
+    raw = await request.body()
+    if not raw.strip():
+        if allow_empty:
+            return model.model_validate({})
+        raise invalid("request body is required (JSON)")
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise invalid(f"malformed JSON body: {exc}") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in exc.errors()
+        )
+        raise invalid(f"invalid request body: {problems}") from None
+
+
+class SandboxRoutes:
+    def __init__(self, manager: SandboxManager, config: Config) -> None:
+        self.manager = manager
+        self.config = config
+
+    @property
+    def domain(self) -> str | None:
+        return self.config.server.domain
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/sandboxes", self.create, methods=["POST"]),
+            Route("/v2/sandboxes", self.create, methods=["POST"]),
+            Route("/sandboxes", self.list_v1, methods=["GET"]),
+            Route("/v2/sandboxes", self.list_v2, methods=["GET"]),
+            Route("/sandboxes/{sandbox_id}", self.get, methods=["GET"]),
+            Route("/sandboxes/{sandbox_id}", self.kill, methods=["DELETE"]),
+            Route("/sandboxes/{sandbox_id}/timeout", self.set_timeout, methods=["POST"]),
+            Route("/sandboxes/{sandbox_id}/refreshes", self.refresh, methods=["POST"]),
+            Route("/sandboxes/{sandbox_id}/connect", self.connect, methods=["POST"]),
+            Route("/v2/sandboxes/{sandbox_id}/connect", self.connect, methods=["POST"]),
+            Route("/sandboxes/{sandbox_id}/resume", self.connect, methods=["POST"]),
+            Route("/sandboxes/{sandbox_id}/pause", self.pause, methods=["POST"]),
+            Route("/sandboxes/{sandbox_id}/metrics", self.metrics, methods=["GET"]),
+        ]
+
+    async def create(self, request: Request) -> Response:
+        body = await parse_body(request, NewSandbox)
+        defaults = self.config.sandbox
+        rec = await self.manager.create(CreateRequest(
+            template=body.template_id,
+            timeout_s=defaults.timeout_s if body.timeout is None else body.timeout,
+            metadata=body.metadata or {},
+            env_vars=body.env_vars or {},
+            auto_pause=True if body.auto_pause is None else body.auto_pause,
+            auto_resume=bool(body.auto_resume and body.auto_resume.enabled),
+            allow_internet_access=(True if body.allow_internet_access is None
+                                   else body.allow_internet_access),
+        ))
+        return JSONResponse(sandbox_body(rec, self.domain), status_code=201)
+
+    def _list_query(self, request: Request, default_states: set[str] | None) -> ListQuery:
+        q = request.query_params
+        states = default_states
+        if q.get("state"):
+            states = {s.strip() for s in q["state"].split(",") if s.strip()}
+            unknown = states - {"running", "paused"}
+            if unknown:
+                raise invalid(f"unknown state filter {sorted(unknown)}; use running, paused")
+        metadata: dict[str, str] = {}
+        if q.get("metadata"):
+            # The SDK quotes keys and values, urlencodes the dict, and httpx encodes it again.
+            metadata = {unquote(k): unquote(v)
+                        for k, v in parse_qsl(q["metadata"], keep_blank_values=True)}
+        started_after = None
+        if q.get("startedAfter"):
+            try:
+                started_after = datetime.fromisoformat(q["startedAfter"].replace("Z", "+00:00"))
+            except ValueError:
+                raise invalid("startedAfter must be an RFC 3339 timestamp") from None
+        order = q.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise invalid("order must be asc or desc")
+        limit_raw = q.get("limit", "100")
+        if not limit_raw.isdigit():
+            raise invalid("limit must be a positive integer")
+        return ListQuery(states=states, metadata=metadata, template=q.get("template"),
+                         started_after=started_after, order_desc=order == "desc",
+                         limit=int(limit_raw), next_token=q.get("nextToken") or None)
+
+    async def _list(self, request: Request, default_states: set[str] | None) -> Response:
+        items, token = self.manager.list(self._list_query(request, default_states))
+        headers = {"X-Next-Token": token} if token else {}
+        return JSONResponse([listed_body(r) for r in items], headers=headers)
+
+    async def list_v1(self, request: Request) -> Response:
+        return await self._list(request, {"running"})
+
+    async def list_v2(self, request: Request) -> Response:
+        return await self._list(request, None)
+
+    async def get(self, request: Request) -> Response:
+        rec = self.manager.get(request.path_params["sandbox_id"])
+        return JSONResponse(detail_body(rec, self.domain))
+
+    async def kill(self, request: Request) -> Response:
+        await self.manager.kill(request.path_params["sandbox_id"])
+        return Response(status_code=204)
+
+    async def set_timeout(self, request: Request) -> Response:
+        body = await parse_body(request, TimeoutBody)
+        await self.manager.set_timeout(request.path_params["sandbox_id"], body.timeout)
+        return Response(status_code=204)
+
+    async def refresh(self, request: Request) -> Response:
+        raw = await parse_body(request, ConnectSandbox, allow_empty=True)
+        await self.manager.connect(request.path_params["sandbox_id"],
+                                   raw.timeout or self.config.sandbox.timeout_s)
+        return Response(status_code=204)
+
+    async def connect(self, request: Request) -> Response:
+        body = await parse_body(request, ConnectSandbox, allow_empty=True)
+        timeout = self.config.sandbox.timeout_s if body.timeout is None else body.timeout
+        rec, resumed = await self.manager.connect(request.path_params["sandbox_id"], timeout)
+        return JSONResponse(sandbox_body(rec, self.domain), status_code=201 if resumed else 200)
+
+    async def pause(self, request: Request) -> Response:
+        await parse_body(request, PauseBody, allow_empty=True)
+        await self.manager.pause(request.path_params["sandbox_id"])
+        return Response(status_code=204)
+
+    async def metrics(self, request: Request) -> Response:
+        sandbox_id = request.path_params["sandbox_id"]
+        rec = self.manager.get(sandbox_id)
+        at, usage = await self.manager.metrics(sandbox_id)
+        body: list[dict[str, Any]] = [metric_body(at, rec.cpu_count, usage)]
+        return JSONResponse(body)

@@ -1,0 +1,108 @@
+"""Request bodies (validated with pydantic) and response bodies (E2B's exact field names).
+
+Response shapes follow the e2b 2.63 SDK's generated models (`e2b/api/client/models`):
+`Sandbox`, `SandboxDetail`, `ListedSandbox`, `SandboxMetric`.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from aenv.envd.settings import ENVD_VERSION
+from aenv.orchestrator.models import SandboxRecord
+from aenv.runtime.base import ResourceUsage
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class AutoResume(_Body):
+    enabled: bool = False
+
+
+class NewSandbox(_Body):
+    template_id: str = Field(alias="templateID", min_length=1, max_length=256)
+    timeout: int | None = None
+    metadata: dict[str, str] | None = None
+    env_vars: dict[str, str] | None = Field(default=None, alias="envVars")
+    auto_pause: bool | None = Field(default=None, alias="autoPause")
+    auto_resume: AutoResume | None = Field(default=None, alias="autoResume")
+    allow_internet_access: bool | None = None
+    network: dict[str, Any] | None = None
+    secure: bool | None = None
+
+
+class ConnectSandbox(_Body):
+    timeout: int | None = None
+
+
+class TimeoutBody(_Body):
+    timeout: int
+
+
+class PauseBody(_Body):
+    memory: bool | None = None
+
+
+def _ts(value: datetime) -> str:
+    return value.isoformat().replace("+00:00", "Z")
+
+
+def sandbox_body(rec: SandboxRecord, domain: str | None) -> dict[str, Any]:
+    return {
+        "templateID": rec.template_id,
+        "sandboxID": rec.sandbox_id,
+        "clientID": rec.client_id,
+        "envdVersion": ENVD_VERSION,
+        "envdAccessToken": rec.envd_access_token,
+        "trafficAccessToken": None,
+        "domain": domain,
+        **({"alias": rec.alias} if rec.alias else {}),
+    }
+
+
+def listed_body(rec: SandboxRecord) -> dict[str, Any]:
+    return {
+        "templateID": rec.template_id,
+        "sandboxID": rec.sandbox_id,
+        "clientID": rec.client_id,
+        "envdVersion": ENVD_VERSION,
+        "startedAt": _ts(rec.started_at),
+        "endAt": _ts(rec.end_at),
+        "cpuCount": rec.cpu_count,
+        "memoryMB": rec.memory_mb,
+        "diskSizeMB": rec.disk_size_mb,
+        "state": rec.state.api_state,
+        "metadata": rec.metadata,
+        **({"alias": rec.alias} if rec.alias else {}),
+    }
+
+
+def detail_body(rec: SandboxRecord, domain: str | None) -> dict[str, Any]:
+    return {
+        **listed_body(rec),
+        "envdAccessToken": rec.envd_access_token,
+        "domain": domain,
+        "allowInternetAccess": rec.allow_internet_access,
+        "lifecycle": {"autoResume": rec.auto_resume,
+                      "onTimeout": "pause" if rec.auto_pause else "kill"},
+        "runtime": rec.runtime,
+    }
+
+
+def metric_body(at: datetime, cpu_count: int, usage: ResourceUsage) -> dict[str, Any]:
+    return {
+        "timestamp": _ts(at),
+        "timestampUnix": int(at.timestamp()),
+        "cpuCount": cpu_count,
+        "cpuUsedPct": round(usage.cpu_used_pct, 2),
+        "memUsed": usage.mem_used_bytes,
+        "memTotal": usage.mem_total_bytes,
+        "memCache": usage.mem_cache_bytes,
+        "diskUsed": usage.disk_used_bytes,
+        "diskTotal": usage.disk_total_bytes,
+    }

@@ -1,0 +1,218 @@
+"""Entry point of the `aenv` command."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from aenv.cli.client import ApiError, Client, save_credentials
+from aenv.cli.output import emit
+
+SANDBOX_COLUMNS = ("sandboxID", "templateID", "state", "startedAt", "endAt", "cpuCount",
+                   "memoryMB")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from aenv.api.app import build_server
+    from aenv.config import load_config
+    from aenv.errors import AenvError
+
+    env = dict(os.environ)
+    if args.home:
+        env["AENV_HOME"] = args.home
+    try:
+        config = load_config(env, Path(args.config) if args.config else None)
+    except AenvError as exc:
+        print(f"aenv: {exc.message}", file=sys.stderr)
+        return 2
+    if args.listen:
+        config.server.listen = args.listen
+    host, _, port = config.server.listen.rpartition(":")
+    if not host or not port.isdigit():
+        print(f"aenv: --listen must be HOST:PORT, got {config.server.listen!r}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server = build_server(config)
+    print(f"aenv: serving on http://{config.server.listen} (home {config.home})", file=sys.stderr)
+    print(f"aenv: API key: {server.api_key}", file=sys.stderr)
+    uvicorn.run(server.app, host=host, port=int(port), loop="uvloop", http="httptools",
+                log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+    return 0
+
+
+def cmd_auth(args: argparse.Namespace, client: Client) -> int:
+    key = args.api_key or (input("API key: ").strip() if sys.stdin.isatty() else sys.stdin.read().strip())
+    client.api_key = key
+    client.call("GET", "/v2/sandboxes?limit=1")  # fails with 401 on a wrong key
+    path = save_credentials(client.url, key)
+    print(f"credentials for {client.url} saved to {path}")
+    return 0
+
+
+def _create(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    body: dict[str, Any] = {"templateID": args.template, "metadata": {}, "envVars": {}}
+    if args.timeout is not None:
+        body["timeout"] = args.timeout
+    for item in args.env or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ApiError(0, f"--env expects KEY=VALUE, got {item!r}")
+        body["envVars"][key] = value
+    result: dict[str, Any] = client.call("POST", "/v2/sandboxes", body).json()
+    return result
+
+
+def cmd_start(args: argparse.Namespace, client: Client) -> int:
+    from aenv.cli.shell import attach_shell
+
+    sbx = _create(client, args)
+    if args.detach or not sys.stdin.isatty():
+        emit(sbx, ("sandboxID", "templateID", "envdVersion"), args.output == "json")
+        return 0
+    print(f"sandbox {sbx['sandboxID']} (exit the shell to leave it running; "
+          f"`aenv rm {sbx['sandboxID']}` removes it)", file=sys.stderr)
+    return attach_shell(client, sbx["sandboxID"], sbx.get("envdAccessToken"))
+
+
+def cmd_exec(args: argparse.Namespace, client: Client) -> int:
+    argv = list(args.command)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv:
+        raise ApiError(0, "exec needs a command: aenv exec ID -- CMD [ARGS...]")
+    token = client.call("GET", f"/sandboxes/{args.sandbox_id}").json().get("envdAccessToken")
+    process: dict[str, Any] = {"cmd": "/bin/sh", "args": ["-c", shlex.join(argv)]}
+    if args.cwd:
+        process["cwd"] = args.cwd
+    if args.env:
+        process["envs"] = dict(e.partition("=")[::2] for e in args.env)
+    message: dict[str, Any] = {"process": process, "stdin": False}
+    exit_code = 0
+    for msg in client.stream(args.sandbox_id, token, "process.Process/Start", message,
+                             timeout_ms=args.timeout * 1000 if args.timeout else None,
+                             user=args.user):
+        event = msg.get("event", {})
+        data = event.get("data")
+        if data:
+            for name, stream in (("stdout", sys.stdout), ("stderr", sys.stderr)):
+                if name in data:
+                    stream.buffer.write(base64.b64decode(data[name]))
+                    stream.flush()
+        if "end" in event:
+            exit_code = int(event["end"].get("exitCode", 0))
+    return exit_code
+
+
+def cmd_ls(args: argparse.Namespace, client: Client) -> int:
+    query = f"?state={args.state}" if args.state else ""
+    rows = client.call("GET", f"/v2/sandboxes{query}").json()
+    emit(rows, SANDBOX_COLUMNS, args.output == "json")
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace, client: Client) -> int:
+    failed = 0
+    for sandbox_id in args.sandbox_ids:
+        try:
+            client.call("DELETE", f"/sandboxes/{sandbox_id}")
+            print(sandbox_id)
+        except ApiError as exc:
+            print(f"aenv: {sandbox_id}: {exc.message}", file=sys.stderr)
+            failed += 1
+    return 1 if failed else 0
+
+
+def cmd_timeout(args: argparse.Namespace, client: Client) -> int:
+    client.call("POST", f"/sandboxes/{args.sandbox_id}/timeout", {"timeout": args.seconds})
+    info = client.call("GET", f"/sandboxes/{args.sandbox_id}").json()
+    emit(info, ("sandboxID", "state", "endAt"), args.output == "json")
+    return 0
+
+
+def cmd_info(args: argparse.Namespace, client: Client) -> int:
+    info = client.call("GET", f"/sandboxes/{args.sandbox_id}").json()
+    info.pop("envdAccessToken", None)
+    emit(info, (*SANDBOX_COLUMNS, "runtime"), args.output == "json")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="aenv", description="Sandboxes for AI agents and RL.")
+    parser.add_argument("--url", help="server URL (default $AENV_URL or http://127.0.0.1:8000)")
+    parser.add_argument("--api-key", help="API key (default $AENV_API_KEY or `aenv auth`)")
+    parser.add_argument("--output", "-o", choices=("table", "json"), default="table")
+    sub = parser.add_subparsers(dest="verb", required=True)
+
+    p = sub.add_parser("serve", help="run a server on this machine")
+    p.add_argument("--listen", help="HOST:PORT (default 127.0.0.1:8000)")
+    p.add_argument("--home", help="state directory (default $AENV_HOME or /var/lib/aenv)")
+    p.add_argument("--config", help="TOML config file (default $AENV_HOME/config.toml)")
+
+    p = sub.add_parser("auth", help="save the server URL and API key for later commands")
+    p.add_argument("api_key", nargs="?", help="the key printed by `aenv serve` (else read stdin)")
+
+    p = sub.add_parser("start", help="create a sandbox and attach a shell")
+    p.add_argument("template", nargs="?", default="base")
+    p.add_argument("--detach", "-d", action="store_true", help="print the sandbox and return")
+    p.add_argument("--timeout", type=int, help="time to live in seconds")
+    p.add_argument("--env", "-e", action="append", help="KEY=VALUE for every process")
+
+    p = sub.add_parser("exec", help="run a command in a sandbox: aenv exec ID -- CMD...")
+    p.add_argument("sandbox_id")
+    p.add_argument("--cwd")
+    p.add_argument("--user")
+    p.add_argument("--env", "-e", action="append")
+    p.add_argument("--timeout", type=int, help="kill the command after this many seconds")
+    p.add_argument("command", nargs=argparse.REMAINDER)
+
+    p = sub.add_parser("ls", help="list sandboxes")
+    p.add_argument("--state", help="running, paused or running,paused")
+
+    p = sub.add_parser("rm", help="remove sandboxes")
+    p.add_argument("sandbox_ids", nargs="+")
+
+    p = sub.add_parser("timeout", help="set a sandbox's time to live from now")
+    p.add_argument("sandbox_id")
+    p.add_argument("seconds", type=int)
+
+    p = sub.add_parser("info", help="show one sandbox")
+    p.add_argument("sandbox_id")
+    return parser
+
+
+CLIENT_VERBS: dict[str, Callable[[argparse.Namespace, Client], int]] = {
+    "auth": cmd_auth, "start": cmd_start, "exec": cmd_exec, "ls": cmd_ls, "rm": cmd_rm,
+    "timeout": cmd_timeout, "info": cmd_info,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.verb == "serve":
+        return cmd_serve(args)
+    client = Client.from_env(args.url, args.api_key)
+    try:
+        return CLIENT_VERBS[args.verb](args, client)
+    except ApiError as exc:
+        if args.output == "json":
+            json.dump({"error": {"code": exc.status, "message": exc.message}}, sys.stderr)
+            sys.stderr.write("\n")
+        else:
+            print(f"aenv: {exc.message if exc.status == 0 else exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""Server configuration: embedded defaults, a TOML file, then environment overrides.
+
+Precedence (last wins): defaults below < `$AENV_CONFIG` or `$AENV_HOME/config.toml` <
+`AENV_<SECTION>_<KEY>` environment variables (plus the short forms `AENV_HOME`,
+`AENV_LISTEN`, `AENV_API_KEY`) < command-line flags applied by the CLI.
+Every limit the server enforces is named here, with its unit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from aenv.errors import invalid
+
+
+def default_home() -> Path:
+    if os.geteuid() == 0:
+        return Path("/var/lib/aenv")
+    return Path.home() / ".local/share/aenv"
+
+
+@dataclass
+class ServerConfig:
+    listen: str = "127.0.0.1:8000"
+    home: Path = field(default_factory=default_home)
+    api_key: str | None = None  # None: read or generate $home/secrets/api_key
+    domain: str | None = None  # host-based routing: <port>-<id>.<domain>
+
+
+@dataclass
+class SandboxDefaults:
+    template: str = "base"
+    cpu_count: int = 2  # vCPUs (cgroup cpu quota)
+    memory_mb: int = 512  # hard memory limit, MiB
+    disk_size_mb: int = 4096  # advertised writable disk, MiB
+    timeout_s: int = 300  # TTL when the request gives none
+    max_timeout_s: int = 24 * 3600
+    pids_max: int = 1024  # process limit per sandbox
+    max_sandboxes: int = 1000  # live sandboxes per node
+    default_user: str = "user"
+    envd_port: int = 49983
+
+
+@dataclass
+class RuntimeConfig:
+    driver: str = "container"
+    warm_pool: int = 4  # pre-created network slots/cgroups kept ready per node
+
+
+@dataclass
+class NetworkConfig:
+    bridge: str = "aenv0"
+    subnet: str = "10.88.0.0/16"  # sandboxes get addresses here; the host is .0.1
+
+
+@dataclass
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    sandbox: SandboxDefaults = field(default_factory=SandboxDefaults)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+
+    @property
+    def home(self) -> Path:
+        return self.server.home
+
+
+_SHORT_ENV = {"AENV_HOME": ("server", "home"), "AENV_LISTEN": ("server", "listen"),
+              "AENV_API_KEY": ("server", "api_key")}
+
+
+def _coerce(section: str, key: str, current: Any, raw: Any) -> Any:
+    kind = type(current) if current is not None else str
+    try:
+        if isinstance(current, Path) or key == "home":
+            return Path(raw)
+        if kind is bool:
+            if isinstance(raw, bool):
+                return raw
+            return str(raw).strip().lower() in ("1", "true", "yes", "on")
+        if kind is int:
+            return int(raw)
+        return str(raw)
+    except (TypeError, ValueError):
+        raise invalid(f"config {section}.{key}: cannot use {raw!r} as {kind.__name__}") from None
+
+
+def _apply(cfg: Config, section: str, key: str, raw: Any) -> None:
+    part = getattr(cfg, section, None)
+    if part is None or not dataclasses.is_dataclass(part):
+        raise invalid(f"config: unknown section [{section}]")
+    if key not in {f.name for f in dataclasses.fields(part)}:
+        raise invalid(f"config: unknown key {section}.{key}")
+    setattr(part, key, _coerce(section, key, getattr(part, key), raw))
+
+
+def load_config(env: Mapping[str, str] | None = None, path: Path | None = None) -> Config:
+    """Build the effective configuration. Raises AenvError(invalid_argument) on bad input."""
+    env = os.environ if env is None else env
+    cfg = Config()
+    if "AENV_HOME" in env:
+        cfg.server.home = Path(env["AENV_HOME"])
+    file = path or (Path(env["AENV_CONFIG"]) if "AENV_CONFIG" in env else cfg.home / "config.toml")
+    if file.exists():
+        try:
+            data = tomllib.loads(file.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise invalid(f"config {file}: {exc}") from None
+        for section, values in data.items():
+            if not isinstance(values, dict):
+                raise invalid(f"config {file}: [{section}] must be a table")
+            for key, raw in values.items():
+                _apply(cfg, section, key, raw)
+    for name, value in env.items():
+        if name in _SHORT_ENV:
+            _apply(cfg, *_SHORT_ENV[name], value)
+        elif name.startswith("AENV_") and name.count("_") >= 2 and name != "AENV_CONFIG":
+            _, section, key = name.lower().split("_", 2)
+            if hasattr(cfg, section):
+                _apply(cfg, section, key, value)
+    return cfg

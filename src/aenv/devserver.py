@@ -1,0 +1,88 @@
+"""Run an `aenv serve` process and wait until it is ready: for the demo, tests and benchmarks.
+
+Not used by the server itself.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class ServerProcess:
+    home: Path
+    port: int = field(default_factory=free_port)
+    api_key: str = "aenv_test_key"
+    extra_env: dict[str, str] = field(default_factory=dict)
+    log_path: Path | None = None
+    proc: subprocess.Popen[bytes] | None = None
+    _log: IO[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def sdk_env(self) -> dict[str, str]:
+        """Environment for the official E2B SDK to talk to this server."""
+        return {"E2B_API_KEY": self.api_key, "E2B_API_URL": self.url,
+                "E2B_SANDBOX_URL": self.url, "NO_PROXY": "127.0.0.1,localhost"}
+
+    def start(self, ready_timeout: float = 900.0, show_output: bool = False) -> ServerProcess:
+        env = {**os.environ, "AENV_HOME": str(self.home), "AENV_API_KEY": self.api_key,
+               **self.extra_env}
+        self.home.mkdir(parents=True, exist_ok=True)
+        out: int | IO[bytes] | None = None
+        if not show_output:
+            self._log = open(self.log_path or self.home / "server.log", "ab")
+            out = self._log
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "aenv.cli.main", "serve", "--listen", f"127.0.0.1:{self.port}"],
+            env=env, stdout=out, stderr=out, start_new_session=True)
+        deadline = time.monotonic() + ready_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"aenv serve exited with {self.proc.returncode}; "
+                                   f"see {self.log_path or self.home / 'server.log'}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=1) as resp:
+                    if resp.status == 204:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"aenv serve not ready after {ready_timeout}s")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()

@@ -1,0 +1,87 @@
+"""Records the orchestrator keeps, and the validated requests it accepts."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+
+class SandboxState(enum.StrEnum):
+    """The lifecycle state machine. Transitions (anything else is a conflict):
+
+    creating -> running | (deleted on failure)
+    running  -> pausing -> paused -> resuming -> running
+    running | paused -> killing -> (deleted)
+    """
+
+    CREATING = "creating"
+    RUNNING = "running"
+    PAUSING = "pausing"
+    PAUSED = "paused"
+    RESUMING = "resuming"
+    KILLING = "killing"
+
+    @property
+    def api_state(self) -> str:
+        """E2B shows only running and paused; transitional states show as paused."""
+        return "running" if self is SandboxState.RUNNING else "paused"
+
+
+@dataclass
+class TemplateRecord:
+    template_id: str
+    names: list[str]
+    layers: list[str]  # layer ids, top first
+    cpu_count: int
+    memory_mb: int
+    disk_size_mb: int
+    default_user: str = "user"
+    default_workdir: str | None = None
+    env_vars: dict[str, str] = field(default_factory=dict)
+    created_at: datetime | None = None
+
+
+@dataclass
+class SandboxRecord:
+    sandbox_id: str
+    template_id: str
+    client_id: str
+    state: SandboxState
+    started_at: datetime
+    end_at: datetime
+    cpu_count: int
+    memory_mb: int
+    disk_size_mb: int
+    envd_access_token: str
+    metadata: dict[str, str] = field(default_factory=dict)
+    env_vars: dict[str, str] = field(default_factory=dict)
+    alias: str | None = None
+    auto_pause: bool = True
+    auto_resume: bool = False
+    allow_internet_access: bool = True
+    runtime: str = "container"
+    handle: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class CreateRequest:
+    template: str
+    timeout_s: int
+    metadata: dict[str, str] = field(default_factory=dict)
+    env_vars: dict[str, str] = field(default_factory=dict)
+    auto_pause: bool = True
+    auto_resume: bool = False
+    allow_internet_access: bool = True
+
+
+@dataclass
+class ListQuery:
+    states: set[str] | None = None  # api states: running, paused
+    metadata: dict[str, str] = field(default_factory=dict)
+    template: str | None = None
+    started_after: datetime | None = None
+    order_desc: bool = True
+    limit: int = 100
+    next_token: str | None = None

@@ -1,0 +1,78 @@
+"""Types shared by every runtime driver, and the `RuntimeDriver` protocol.
+
+Lifecycle a driver implements (issue order): create, connect (reach a port inside), stats,
+destroy; later pause, resume, snapshot, restore and fork. Operations a driver cannot do raise
+`AenvError(ErrorCode.NOT_SUPPORTED, ...)`.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """Everything a driver needs to start one sandbox. Built by the orchestrator."""
+
+    sandbox_id: str  # [a-z0-9]{20}; also the hostname
+    lower_layers: tuple[Path, ...]  # read-only root filesystem layers, TOP FIRST (overlayfs order)
+    workspace: Path  # private, driver-owned directory for this sandbox (upper, work, ...)
+    cpu_count: int
+    memory_mb: int
+    pids_max: int
+    env_vars: dict[str, str] = field(default_factory=dict)
+    envd_access_token: str | None = None
+    default_user: str = "user"
+    default_workdir: str | None = None
+    allow_internet_access: bool = True
+    envd_port: int = 49983
+
+
+@dataclass
+class RuntimeHandle:
+    """A driver's reference to a live sandbox. JSON-serialisable (`data`), stored by the
+    orchestrator so that a restarted server can re-attach to sandboxes that kept running."""
+
+    driver: str
+    sandbox_id: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ResourceUsage:
+    cpu_used_pct: float  # since the previous sample, 0..100*cpu_count
+    mem_used_bytes: int
+    mem_total_bytes: int
+    mem_cache_bytes: int
+    disk_used_bytes: int
+    disk_total_bytes: int
+
+
+@runtime_checkable
+class RuntimeDriver(Protocol):
+    name: str
+
+    async def start(self) -> None:
+        """Prepare host resources (helper processes, pools). Called once at server start."""
+
+    async def close(self) -> None:
+        """Release host resources. Live sandboxes keep running (they survive a restart)."""
+
+    async def create(self, spec: SandboxSpec) -> RuntimeHandle:
+        """Start a sandbox and return once envd inside accepts connections on spec.envd_port."""
+
+    async def attach(self, handle: RuntimeHandle) -> bool:
+        """After a server restart: True if the sandbox behind `handle` is still alive."""
+
+    async def connect(self, handle: RuntimeHandle, port: int) -> socket.socket:
+        """A connected, non-blocking TCP socket to 127.0.0.1:`port` inside the sandbox.
+        Raises AenvError(UNAVAILABLE) when nothing listens there."""
+
+    async def stats(self, handle: RuntimeHandle) -> ResourceUsage:
+        """Current resource usage of the sandbox."""
+
+    async def destroy(self, handle: RuntimeHandle) -> None:
+        """Stop every process of the sandbox and free its resources. Idempotent."""
