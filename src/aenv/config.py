@@ -75,7 +75,7 @@ _SHORT_ENV = {"AENV_HOME": ("server", "home"), "AENV_LISTEN": ("server", "listen
 
 
 def _coerce(section: str, key: str, current: Any, raw: Any) -> Any:
-    kind = type(current) if current is not None else str
+    kind: type = type(current) if current is not None else str
     try:
         if isinstance(current, Path) or key == "home":
             return Path(raw)

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -86,3 +87,20 @@ class ServerProcess:
 
     def __exit__(self, *_: object) -> None:
         self.stop()
+
+
+def layer_cache() -> Path:
+    return Path(os.environ.get("AENV_TEST_LAYER_CACHE", "/var/cache/aenv-test/layers"))
+
+
+def prepare_home(prefix: str = "aenv-test-") -> Path:
+    """A fresh AENV_HOME whose base layer is linked from a per-machine cache (built once),
+    so that tests and benchmarks do not each pay for a debootstrap."""
+    from aenv.images.base import build_base_layer
+
+    cache = layer_cache()
+    base = build_base_layer(cache, cache.parent / "cache")
+    home = Path(tempfile.mkdtemp(prefix=prefix))
+    (home / "layers").mkdir()
+    (home / "layers" / base.name).symlink_to(base)
+    return home

@@ -19,7 +19,7 @@ import json
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 from urllib.parse import parse_qsl
 
 from starlette.types import Message, Receive, Scope, Send
@@ -254,7 +254,8 @@ class SandboxProxy:
                               body_done: asyncio.Event) -> bool:
         reader = conn.reader
         head_task = asyncio.ensure_future(_read_head(reader))
-        done, _ = await asyncio.wait({head_task, pump}, return_when=asyncio.FIRST_COMPLETED)
+        first: set[asyncio.Future[Any]] = {head_task, pump}
+        done, _ = await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
         if head_task not in done:
             if disconnected.is_set():
                 head_task.cancel()
@@ -302,7 +303,8 @@ class SandboxProxy:
         try:
             while True:
                 piece_task = asyncio.ensure_future(next_piece())
-                done, _ = await asyncio.wait({piece_task, stop}, return_when=asyncio.FIRST_COMPLETED)
+                waiters: set[asyncio.Future[Any]] = {piece_task, stop}
+                done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
                 if piece_task not in done:
                     piece_task.cancel()
                     return False  # client went away mid-stream: drop the upstream stream

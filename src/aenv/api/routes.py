@@ -124,7 +124,7 @@ class SandboxRoutes:
                          limit=int(limit_raw), next_token=q.get("nextToken") or None)
 
     async def _list(self, request: Request, default_states: set[str] | None) -> Response:
-        items, token = self.manager.list(self._list_query(request, default_states))
+        items, token = self.manager.list_sandboxes(self._list_query(request, default_states))
         headers = {"X-Next-Token": token} if token else {}
         return JSONResponse([listed_body(r) for r in items], headers=headers)
 

@@ -27,6 +27,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from aenv.config import load_config
     from aenv.errors import AenvError
 
+    if os.geteuid() != 0:
+        print("aenv: `aenv serve` needs root (it creates namespaces, cgroups and overlay mounts)",
+              file=sys.stderr)
+        return 2
     env = dict(os.environ)
     if args.home:
         env["AENV_HOME"] = args.home

@@ -73,7 +73,13 @@ def build_base_layer(layers_dir: Path, cache_dir: Path, show_progress: bool = Tr
             tail = "".join(log[-15:])
             raise AenvError(ErrorCode.INTERNAL, f"debootstrap failed (exit {proc.returncode}):\n{tail}")
         _customise(tmp)
-        os.replace(tmp, final)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            # Another builder finished first; theirs is as good as ours.
+            if not (final / "etc/os-release").exists():
+                raise
+
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if bar is not None:

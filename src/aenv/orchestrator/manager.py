@@ -101,7 +101,7 @@ class SandboxManager:
             raise not_found(f"template '{id_or_name}' not found")
         return tpl
 
-    def list(self, query: ListQuery) -> tuple[list[SandboxRecord], str | None]:
+    def list_sandboxes(self, query: ListQuery) -> tuple[list[SandboxRecord], str | None]:
         if query.limit < 1 or query.limit > 1000:
             raise invalid("limit must be between 1 and 1000")
         template_id = None

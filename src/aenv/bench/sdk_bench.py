@@ -1,0 +1,95 @@
+"""Container runtime, measured through the official E2B SDK against a real server:
+
+- create -> envd ready (the SDK's `Sandbox.create` returns only when envd answers),
+  sequentially and with 16 concurrent creates;
+- `commands.run("true")` round trip;
+- host memory per idle sandbox (drop of MemAvailable over N idle sandboxes, and the sum of
+  the sandboxes' cgroup memory usage), after the page cache settles.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from aenv.bench.stats import summarize
+from aenv.devserver import ServerProcess, prepare_home
+
+
+def mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
+def run(server: ServerProcess) -> list[str]:
+    from e2b import Sandbox
+
+    lines: list[str] = []
+
+    def timed_create() -> tuple[float, Sandbox]:
+        t = time.perf_counter()
+        sbx = Sandbox.create()
+        return time.perf_counter() - t, sbx
+
+    # warm-up (first create pays one-off costs such as page-cache misses on the template)
+    _, warm = timed_create()
+    warm.kill()
+
+    seq: list[float] = []
+    for _ in range(30):
+        dt, sbx = timed_create()
+        seq.append(dt)
+        sbx.kill()
+    lines.append(summarize("create -> envd ready, sequential", seq).line())
+
+    conc: list[float] = []
+    for _ in range(3):
+        with ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(lambda _: timed_create(), range(16)))
+        conc.extend(dt for dt, _ in results)
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(lambda r: r[1].kill(), results))
+    lines.append(summarize("create -> envd ready, 16 concurrent", conc).line())
+
+    sbx = Sandbox.create()
+    for _ in range(20):
+        sbx.commands.run("true")
+    rtt: list[float] = []
+    for _ in range(300):
+        t = time.perf_counter()
+        sbx.commands.run("true")
+        rtt.append(time.perf_counter() - t)
+    lines.append(summarize('commands.run("true") round trip', rtt).line())
+    sbx.kill()
+
+    n = 30
+    time.sleep(1)
+    before = mem_available()
+    idle = [Sandbox.create() for _ in range(n)]
+    time.sleep(3)
+    after = mem_available()
+    per = (before - after) / n / 2**20
+    lines.append(f"{'host memory per idle sandbox (MemAvailable drop / N)':<52} N={n}  {per:.2f} MiB")
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda s: s.kill(), idle))
+    return lines
+
+
+def main() -> int:
+    home = prepare_home("aenv-bench-")
+    server = ServerProcess(home=home)
+    try:
+        server.start()
+        os.environ.update(server.sdk_env())
+        print("container runtime, through the e2b SDK 2.63 (2 cores):")
+        for line in run(server):
+            print("  " + line, flush=True)
+    finally:
+        server.stop()
+        shutil.rmtree(home, ignore_errors=True)
+    return 0

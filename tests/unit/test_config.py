@@ -1,0 +1,30 @@
+from pathlib import Path
+
+import pytest
+
+from aenv.config import load_config
+from aenv.errors import AenvError, ErrorCode
+
+
+def test_defaults_file_and_env_precedence(tmp_path: Path) -> None:
+    cfg_file = tmp_path / "config.toml"
+    cfg_file.write_text('[sandbox]\nmemory_mb = 1024\ncpu_count = 4\n[server]\nlisten = "0.0.0.0:9000"\n')
+    cfg = load_config({"AENV_HOME": str(tmp_path), "AENV_SANDBOX_CPU_COUNT": "1"})
+    assert cfg.home == tmp_path
+    assert cfg.sandbox.memory_mb == 1024  # from the file
+    assert cfg.sandbox.cpu_count == 1  # env beats file
+    assert cfg.server.listen == "0.0.0.0:9000"
+    assert cfg.sandbox.timeout_s == 300  # embedded default
+
+
+def test_bad_values_are_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(AenvError) as exc:
+        load_config({"AENV_HOME": str(tmp_path), "AENV_SANDBOX_MEMORY_MB": "lots"})
+    assert exc.value.code is ErrorCode.INVALID_ARGUMENT
+    assert "sandbox.memory_mb" in exc.value.message
+    (tmp_path / "config.toml").write_text("[sandbox]\nno_such_key = 1\n")
+    with pytest.raises(AenvError, match="unknown key sandbox.no_such_key"):
+        load_config({"AENV_HOME": str(tmp_path)})
+    (tmp_path / "config.toml").write_text("[sandbox\n")
+    with pytest.raises(AenvError, match="config"):
+        load_config({"AENV_HOME": str(tmp_path)})
