@@ -156,22 +156,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--api-key", help="API key (default $AENV_API_KEY or `aenv auth`)")
     parser.add_argument("--output", "-o", choices=("table", "json"), default="table")
     sub = parser.add_subparsers(dest="verb", required=True)
+    # `-o json` is also accepted after the verb (`aenv ls -o json`); SUPPRESS keeps the
+    # top-level value when the verb does not repeat it.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--output", "-o", choices=("table", "json"), default=argparse.SUPPRESS)
 
     p = sub.add_parser("serve", help="run a server on this machine")
     p.add_argument("--listen", help="HOST:PORT (default 127.0.0.1:8000)")
     p.add_argument("--home", help="state directory (default $AENV_HOME or /var/lib/aenv)")
     p.add_argument("--config", help="TOML config file (default $AENV_HOME/config.toml)")
 
-    p = sub.add_parser("auth", help="save the server URL and API key for later commands")
+    p = sub.add_parser("auth", parents=[common], help="save the server URL and API key for later commands")
     p.add_argument("api_key", nargs="?", help="the key printed by `aenv serve` (else read stdin)")
 
-    p = sub.add_parser("start", help="create a sandbox and attach a shell")
+    p = sub.add_parser("start", parents=[common], help="create a sandbox and attach a shell")
     p.add_argument("template", nargs="?", default="base")
     p.add_argument("--detach", "-d", action="store_true", help="print the sandbox and return")
     p.add_argument("--timeout", type=int, help="time to live in seconds")
     p.add_argument("--env", "-e", action="append", help="KEY=VALUE for every process")
 
-    p = sub.add_parser("exec", help="run a command in a sandbox: aenv exec ID -- CMD...")
+    p = sub.add_parser("exec", parents=[common], help="run a command in a sandbox: aenv exec ID -- CMD...")
     p.add_argument("sandbox_id")
     p.add_argument("--cwd")
     p.add_argument("--user")
@@ -179,17 +183,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=int, help="kill the command after this many seconds")
     p.add_argument("command", nargs=argparse.REMAINDER)
 
-    p = sub.add_parser("ls", help="list sandboxes")
+    p = sub.add_parser("ls", parents=[common], help="list sandboxes")
     p.add_argument("--state", help="running, paused or running,paused")
 
-    p = sub.add_parser("rm", help="remove sandboxes")
+    p = sub.add_parser("rm", parents=[common], help="remove sandboxes")
     p.add_argument("sandbox_ids", nargs="+")
 
-    p = sub.add_parser("timeout", help="set a sandbox's time to live from now")
+    p = sub.add_parser("timeout", parents=[common], help="set a sandbox's time to live from now")
     p.add_argument("sandbox_id")
     p.add_argument("seconds", type=int)
 
-    p = sub.add_parser("info", help="show one sandbox")
+    p = sub.add_parser("info", parents=[common], help="show one sandbox")
     p.add_argument("sandbox_id")
     return parser
 

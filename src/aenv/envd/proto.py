@@ -80,9 +80,11 @@ def get_bool(msg: Msg, name: str, snake: str | None = None, default: bool = Fals
     if value is None:
         return default
     if isinstance(value, bool):
-        return value
-    if value in ("true", "false"):
-        return value == "true"
+        return bool(value)
+    if value == "true":
+        return True
+    if value == "false":
+        return False
     raise invalid(f"field {name}: expected a boolean")
 
 

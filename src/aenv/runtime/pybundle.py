@@ -39,6 +39,7 @@ BUNDLE_DIR = Path("/opt/aenv/runtime/py311")
 PY_VERSION = "3.11"
 LOADER_NAME = "ld-linux-x86-64.so.2"
 MANIFEST = "BUNDLE.json"
+COMPLETE = ".complete"
 APP_DIR = "app"  # holds the `aenv` package subset; put first on sys.path by launchers
 FORMAT = 1  # bump when the layout changes
 
@@ -79,9 +80,10 @@ def python_argv(bundle: Path = BUNDLE_DIR) -> list[str]:
 
 
 def python_env() -> dict[str, str]:
-    """Environment for a bundled interpreter. C.UTF-8 is built into glibc >= 2.35, so no
-    locale file from the host (or template) gets mapped."""
-    return {"LC_ALL": "C.UTF-8", "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+    """Environment for a bundled interpreter. LC_ALL=C: glibc maps no locale or gconv file
+    for the C locale (C.UTF-8 would map the host's /usr/lib/locale/C.utf8), and python turns
+    on UTF-8 mode by itself in the C locale, so text is still UTF-8 everywhere."""
+    return {"LC_ALL": "C", "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
 
 
 @dataclass
@@ -147,10 +149,7 @@ class _Builder:
                     self.add(str(rel), src, elf=True)
                     elf_inputs.append(src)
                 elif name.endswith(".py") and name not in _SKIP_STDLIB_FILES:
-                    if rel_root == Path(".") and name.startswith("_sysconfigdata"):
-                        self.add(str(rel), src)
-                    else:
-                        self.add(str(rel), src)
+                    self.add(str(rel), src)
         libs: dict[str, Path] = {}
         for path in elf_inputs:
             libs.update(_ldd(path))
@@ -286,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "build":
         report = build(args.dest, args.prefix, strip=not args.no_strip)
         check(args.dest)
+        (args.dest / COMPLETE).touch()  # the Makefile's stamp
         print(f"pybundle: {report.dest}: {report.copied} written, {report.unchanged} unchanged, "
               f"{report.removed} removed, {report.size_bytes / 2**20:.1f} MiB")
         for err in report.errors:

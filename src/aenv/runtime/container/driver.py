@@ -1,0 +1,638 @@
+"""`ContainerDriver`: sandboxes as Linux namespaces + cgroup v1 + overlayfs, forked from a
+pre-warmed envd fork-server (see `zygote.py` for what happens inside a sandbox).
+
+Owns: the fork-server process, the per-sandbox cgroups (`cgroups.py`), workspaces
+(`spec.workspace`: upper/, work/, rootfs/ mountpoint), network slots (`network.py`), and the
+cached network-namespace fds used by `connect()`.
+Must not touch: the host's mount table (sandbox mounts live in their own private mount
+namespaces), other cgroups, the orchestrator's records (handles are returned, never stored).
+
+Handle data (JSON): pid + start_time identify the sandbox's init across pid reuse and server
+restarts; workspace, slot and envd_port let a restarted driver clean up without the spec.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Coroutine
+
+from aenv.config import Config
+from aenv.errors import AenvError, ErrorCode
+from aenv.runtime import pybundle
+from aenv.runtime.base import ResourceUsage, RuntimeHandle, SandboxSpec
+from aenv.runtime.container import cgroups, linux
+from aenv.runtime.container.network import NetworkPool
+
+_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")  # a hostname label and a path component
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class _Live:
+    """What the driver remembers about a sandbox while the server runs (rebuilt on attach)."""
+
+    pid: int
+    start_time: int
+    netns_fd: int | None = None
+    cpu_ns: int | None = None
+    cpu_at: float = 0.0
+
+
+class _Zygote:
+    """The fork-server child process and the JSON-lines conversation with it."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter) -> None:
+        self.proc = proc
+        self.reader = reader
+        self.writer = writer
+        self.pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self.next_id = 1
+        self.pid = proc.pid
+        self.task: asyncio.Task[None] | None = None
+        self.dead = False
+
+    async def pump(self) -> None:
+        try:
+            while True:
+                line = await self.reader.readline()
+                if not line:
+                    break
+                msg = json.loads(line)
+                fut = self.pending.pop(msg.get("id", -1), None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+        finally:
+            self.dead = True
+            for fut in self.pending.values():
+                if not fut.done():
+                    fut.set_exception(AenvError(ErrorCode.UNAVAILABLE,
+                                                "container fork-server exited"))
+            self.pending.clear()
+
+    def submit(self, spec: dict[str, Any]) -> asyncio.Future[dict[str, Any]]:
+        """Send one spawn request; the future resolves with the zygote's reply."""
+        if self.dead:
+            raise AenvError(ErrorCode.UNAVAILABLE, "container fork-server exited")
+        req_id = self.next_id
+        self.next_id += 1
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self.pending[req_id] = fut
+        self.writer.write(json.dumps({"op": "spawn", "id": req_id, "spec": spec}).encode()
+                          + b"\n")
+        return fut
+
+    async def close(self) -> None:
+        self.writer.close()
+        with contextlib.suppress(Exception):
+            await self.writer.wait_closed()
+        if self.task is not None:
+            with contextlib.suppress(BaseException):
+                await self.task
+        # EOF on its control socket makes the fork-server exit; sandboxes are not its
+        # children in any way that matters (they re-parent to the host's init).
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self.proc.wait), 5)
+        except asyncio.TimeoutError:
+            self.proc.kill()
+            await asyncio.to_thread(self.proc.wait)
+
+
+class ContainerDriver:
+    """The `container` runtime driver. One per server process."""
+
+    name = "container"
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        bundle: Path = pybundle.BUNDLE_DIR,
+        cgroup_layout: cgroups.CgroupLayout | None = None,
+        network: NetworkPool | None = None,
+        envd_module: str = "aenv.envd.server",
+        extra_python_path: tuple[str, ...] = (),
+        build_bundle: bool = True,
+        create_timeout: float = 30.0,
+        warm_processes: int | None = None,
+    ) -> None:
+        self.config = config
+        self.bundle = bundle
+        self.cgroups = cgroup_layout or cgroups.CgroupLayout()
+        self.network = network or NetworkPool(config.network.bridge, config.network.subnet,
+                                              config.runtime.warm_pool)
+        self.envd_module = envd_module
+        self.extra_python_path = extra_python_path
+        self.build_bundle = build_bundle
+        self.create_timeout = create_timeout
+        # Pre-forked, half-set-up sandbox processes kept by the fork-server (~1 MiB each):
+        # a burst of up to this many creates skips fork, cgroup creation and unsharing.
+        self.warm_processes = (max(16, config.runtime.warm_pool) if warm_processes is None
+                               else warm_processes)
+        self.state_dir = config.home / "runtime" / "container"
+        # Our own top-most read-only layer: empty mountpoint directories, so that no sandbox
+        # copies up (creates inodes for) /opt/aenv/... or /run/aenv on its create path.
+        self.driver_layer = self.state_dir / "layer"
+        self._zygote: _Zygote | None = None
+        self._zygote_lock = asyncio.Lock()
+        self._live: dict[str, _Live] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._host_netns = -1
+        self._network_started = False
+        self.last_timings: dict[str, float] = {}  # of the latest create, for benchmarks
+
+    # -- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self.build_bundle:
+            # Idempotent and ~1 s when up to date; refreshes the envd code the sandboxes run.
+            await asyncio.to_thread(pybundle.build, self.bundle)
+        if not pybundle.loader_path(self.bundle).exists():
+            raise AenvError(ErrorCode.UNAVAILABLE,
+                            f"runtime bundle missing at {self.bundle}: run "
+                            "`python -m aenv.runtime.pybundle build`")
+        await asyncio.to_thread(self.cgroups.ensure_parents)
+        await asyncio.to_thread(self.cgroups.sweep_warm)  # left by a dead fork-server
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(self._make_driver_layer)
+        # The event loop thread's own network namespace, to switch back to after connect().
+        self._host_netns = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        await self._ensure_zygote()
+
+    def _make_driver_layer(self) -> None:
+        # Modes of merged directories come from the top layer: use the usual 0755.
+        for rel in (str(self.bundle).lstrip("/"), "run/aenv"):
+            path = self.driver_layer
+            for part in rel.split("/"):
+                path = path / part
+                path.mkdir(exist_ok=True)
+                path.chmod(0o755)
+        self.driver_layer.chmod(0o755)
+
+    async def close(self) -> None:
+        self.writer.close()
+        with contextlib.suppress(Exception):
+            await self.writer.wait_closed()
+        if self.task is not None:
+            with contextlib.suppress(BaseException):
+                await self.task
+        # EOF on its control socket makes the fork-server exit; sandboxes are not its
+        # children in any way that matters (they re-parent to the host's init).
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self.proc.wait), 5)
+        except asyncio.TimeoutError:
+            self.proc.kill()
+            await asyncio.to_thread(self.proc.wait)
+
+
+class ContainerDriver:
+    """The `container` runtime driver. One per server process."""
+
+    name = "container"
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        bundle: Path = pybundle.BUNDLE_DIR,
+        cgroup_layout: cgroups.CgroupLayout | None = None,
+        network: NetworkPool | None = None,
+        envd_module: str = "aenv.envd.server",
+        extra_python_path: tuple[str, ...] = (),
+        build_bundle: bool = True,
+        create_timeout: float = 30.0,
+        warm_processes: int | None = None,
+    ) -> None:
+        self.config = config
+        self.bundle = bundle
+        self.cgroups = cgroup_layout or cgroups.CgroupLayout()
+        self.network = network or NetworkPool(config.network.bridge, config.network.subnet,
+                                              config.runtime.warm_pool)
+        self.envd_module = envd_module
+        self.extra_python_path = extra_python_path
+        self.build_bundle = build_bundle
+        self.create_timeout = create_timeout
+        # Pre-forked, half-set-up sandbox processes kept by the fork-server (~1 MiB each):
+        # a burst of up to this many creates skips fork, cgroup creation and unsharing.
+        self.warm_processes = (max(16, config.runtime.warm_pool) if warm_processes is None
+                               else warm_processes)
+        self.state_dir = config.home / "runtime" / "container"
+        # Our own top-most read-only layer: empty mountpoint directories, so that no sandbox
+        # copies up (creates inodes for) /opt/aenv/... or /run/aenv on its create path.
+        self.driver_layer = self.state_dir / "layer"
+        self._zygote: _Zygote | None = None
+        self._zygote_lock = asyncio.Lock()
+        self._live: dict[str, _Live] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._host_netns = -1
+        self._network_started = False
+        self.last_timings: dict[str, float] = {}  # of the latest create, for benchmarks
+
+    # -- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self.build_bundle:
+            # Idempotent and ~1 s when up to date; refreshes the envd code the sandboxes run.
+            await asyncio.to_thread(pybundle.build, self.bundle)
+        if not pybundle.loader_path(self.bundle).exists():
+            raise AenvError(ErrorCode.UNAVAILABLE,
+                            f"runtime bundle missing at {self.bundle}: run "
+                            "`python -m aenv.runtime.pybundle build`")
+        await asyncio.to_thread(self.cgroups.ensure_parents)
+        await asyncio.to_thread(self.cgroups.sweep_warm)  # left by a dead fork-server
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(self._make_driver_layer)
+        # The event loop thread's own network namespace, to switch back to after connect().
+        self._host_netns = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        await self._ensure_zygote()
+
+    def _make_driver_layer(self) -> None:
+        for rel in (str(self.bundle).lstrip("/"), "run/aenv"):
+            path = self.driver_layer / rel
+            path.mkdir(parents=True, exist_ok=True)
+            # Directory modes of a merged dir come from the top layer: keep the usual ones.
+            for parent in [path, *path.parents]:
+                if parent == self.driver_layer or self.driver_layer not in parent.parents:
+                    break
+                parent.chmod(0o700 if parent.name == "aenv" and parent.parent.name == "run"
+                             else 0o755)
+        self.driver_layer.chmod(0o755)
+
+    async def close(self) -> None:
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._zygote is not None:
+            await self._zygote.close()
+            await asyncio.to_thread(self.cgroups.sweep_warm, self._zygote.pid)
+            self._zygote = None
+        if self._network_started:
+            await self.network.close()
+            self._network_started = False
+        for live in self._live.values():
+            if live.netns_fd is not None:
+                os.close(live.netns_fd)
+        self._live.clear()
+        if self._host_netns >= 0:
+            os.close(self._host_netns)
+            self._host_netns = -1
+
+    async def _ensure_network(self) -> None:
+        if not self._network_started:
+            await self.network.start()
+            self._network_started = True
+
+    async def _ensure_zygote(self) -> _Zygote:
+        async with self._zygote_lock:
+            if self._zygote is not None and not self._zygote.dead:
+                return self._zygote
+            if self._zygote is not None:
+                await self._zygote.close()
+                await asyncio.to_thread(self.cgroups.sweep_warm, self._zygote.pid)
+            self._zygote = await self._spawn_zygote()
+            return self._zygote
+
+    async def _spawn_zygote(self) -> _Zygote:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        code = ("import sys; sys.path.insert(0, %r); "
+                "from aenv.runtime.container.zygote import main; main()"
+                % str(self.bundle / pybundle.APP_DIR))
+        argv = [*pybundle.python_argv(self.bundle), "-c", code,
+                "--control-fd", str(theirs.fileno()), "--envd-module", self.envd_module]
+        if self.extra_python_path:
+            argv += ["--extra-path", ":".join(self.extra_python_path)]
+        log = open(self.state_dir / "zygote.log", "ab")
+        try:
+            # A new session: the fork-server and its sandboxes survive the server's terminal
+            # and process group going away.
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                    pass_fds=(theirs.fileno(),), start_new_session=True,
+                                    env=pybundle.python_env(), cwd="/")
+        finally:
+            theirs.close()
+            log.close()
+        reader, writer = await asyncio.open_unix_connection(sock=ours, limit=1 << 20)
+        zygote = _Zygote(proc, reader, writer)
+        try:
+            hello = await asyncio.wait_for(reader.readline(), 60)
+        except asyncio.TimeoutError:
+            hello = b""
+        if not hello or json.loads(hello).get("event") != "hello":
+            proc.kill()
+            await asyncio.to_thread(proc.wait)
+            tail = (self.state_dir / "zygote.log").read_text(errors="replace")[-2000:]
+            raise AenvError(ErrorCode.UNAVAILABLE, f"container fork-server failed: {tail}")
+        writer.write(json.dumps({"op": "configure", "warm": self.warm_processes,
+                                 "bundle": str(self.bundle),
+                                 "cgroups": self.cgroups.zygote_config()}).encode() + b"\n")
+        zygote.task = asyncio.get_running_loop().create_task(zygote.pump())
+        return zygote
+
+    # -- sandboxes ------------------------------------------------------------------------
+    def _check_spec(self, spec: SandboxSpec) -> None:
+        if not _ID_RE.match(spec.sandbox_id):
+            raise AenvError(ErrorCode.INVALID_ARGUMENT, f"bad sandbox id {spec.sandbox_id!r}")
+        if not spec.lower_layers:
+            raise AenvError(ErrorCode.INVALID_ARGUMENT, "no root filesystem layers")
+        for layer in (*spec.lower_layers, spec.workspace):
+            text = str(layer)
+            if not layer.is_absolute() or any(c in text for c in ":,\n"):
+                # overlayfs options are ':'- and ','-separated.
+                raise AenvError(ErrorCode.INVALID_ARGUMENT, f"unusable path {text!r}")
+        for layer in spec.lower_layers:
+            if not layer.is_dir():
+                raise AenvError(ErrorCode.INVALID_ARGUMENT, f"layer {layer} does not exist")
+        if spec.memory_mb < 16 or spec.cpu_count < 1 or spec.pids_max < 8:
+            raise AenvError(ErrorCode.INVALID_ARGUMENT, "resource limits too small")
+
+    def _request(self, spec: SandboxSpec, slot_path: str | None,
+                 slot_address: str | None) -> dict[str, Any]:
+        hosts = ("127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+                 f"{slot_address or '127.0.1.1'}\t{spec.sandbox_id}\n")
+        return {
+            "sandbox_id": spec.sandbox_id,
+            "hostname": spec.sandbox_id,
+            "lower": [str(self.driver_layer), *(str(p) for p in spec.lower_layers)],
+            "workspace": str(spec.workspace),
+            "memory_mb": spec.memory_mb,
+            "cgroup_limits": self.cgroups.limits(spec.memory_mb, spec.cpu_count,
+                                                 spec.pids_max),
+            "netns": slot_path,
+            "hosts": hosts,
+            "resolv_conf": _host_resolv_conf() if slot_path else None,
+            "envd": {
+                "port": spec.envd_port,
+                "host": "0.0.0.0",
+                "access_token": spec.envd_access_token,
+                "env_vars": dict(spec.env_vars),
+                "default_user": spec.default_user,
+                "default_workdir": spec.default_workdir,
+                "is_init": True,
+            },
+        }
+
+    async def create(self, spec: SandboxSpec) -> RuntimeHandle:
+        self._check_spec(spec)
+        if spec.sandbox_id in self._live or self.cgroups.exists(spec.sandbox_id):
+            raise AenvError(ErrorCode.CONFLICT, f"sandbox {spec.sandbox_id} already exists")
+        t0 = time.monotonic()
+        slot = None
+        if spec.allow_internet_access:
+            await self._ensure_network()
+            slot = await self.network.acquire()
+        t_slot = time.monotonic() - t0
+        zygote = await self._ensure_zygote()
+        request = self._request(spec, str(slot.path) if slot else None,
+                                slot.address if slot else None)
+        data: dict[str, Any] = {"workspace": str(spec.workspace), "envd_port": spec.envd_port,
+                                "slot": slot.name if slot else None,
+                                "address": slot.address if slot else None}
+        fut = zygote.submit(request)
+        t_sent = time.monotonic()
+        try:
+            # Shielded: once asked, the zygote makes the sandbox whatever happens to us; if we
+            # are cancelled or time out, a background task waits for it and destroys it.
+            reply = await asyncio.wait_for(asyncio.shield(fut), self.create_timeout)
+        except BaseException as exc:
+            self._background(self._discard(fut, spec.sandbox_id, data))
+            if isinstance(exc, asyncio.TimeoutError):
+                raise AenvError(ErrorCode.TIMEOUT,
+                                f"sandbox {spec.sandbox_id} did not start in time") from None
+            raise
+        if not reply.get("ok"):
+            await self._cleanup(spec.sandbox_id, data, reply.get("pid"))
+            raise AenvError(ErrorCode.INTERNAL,
+                            f"sandbox {spec.sandbox_id} failed to start: {reply.get('error')}")
+        data["pid"] = int(reply["pid"])
+        data["start_time"] = int(reply["start_time"])
+        self._live[spec.sandbox_id] = _Live(data["pid"], data["start_time"], cpu_ns=0,
+                                            cpu_at=time.monotonic())
+        self.last_timings = {"slot": t_slot, "total": time.monotonic() - t0,
+                             "sent": t_sent - t0,
+                             **{f"zygote_{k}": v for k, v in reply.get("t", {}).items()}}
+        return RuntimeHandle(driver=self.name, sandbox_id=spec.sandbox_id, data=data)
+
+    def _background(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _discard(self, fut: asyncio.Future[dict[str, Any]], sandbox_id: str,
+                       data: dict[str, Any]) -> None:
+        """Destroy a sandbox whose create was abandoned, once the zygote has answered."""
+        pid = None
+        with contextlib.suppress(BaseException):
+            reply = await asyncio.wait_for(fut, 120)
+            pid = reply.get("pid")
+        with contextlib.suppress(AenvError):
+            await self._cleanup(sandbox_id, data, int(pid) if pid else None)
+
+    def _live_of(self, handle: RuntimeHandle) -> _Live:
+        live = self._live.get(handle.sandbox_id)
+        if live is None:
+            try:
+                live = _Live(int(handle.data["pid"]), int(handle.data["start_time"]))
+            except (KeyError, TypeError, ValueError):
+                raise AenvError(ErrorCode.INVALID_ARGUMENT, "not a container handle") from None
+            self._live[handle.sandbox_id] = live
+        return live
+
+    def _alive(self, live: _Live) -> bool:
+        return linux.proc_start_time(live.pid) == live.start_time
+
+    async def attach(self, handle: RuntimeHandle) -> bool:
+        live = self._live_of(handle)
+        if not self._alive(live):
+            return False
+        slot = handle.data.get("slot")
+        if slot:
+            await self._ensure_network()
+            self.network.claim(slot)
+        return True
+
+    def _netns_fd(self, handle: RuntimeHandle, live: _Live) -> int:
+        if live.netns_fd is None:
+            try:
+                fd = os.open(f"/proc/{live.pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                fd = -1
+            # Checked after opening: the fd then surely belongs to our process, not to a
+            # newer one that reused the pid.
+            if fd < 0 or not self._alive(live):
+                if fd >= 0:
+                    os.close(fd)
+                raise AenvError(ErrorCode.UNAVAILABLE,
+                                f"sandbox {handle.sandbox_id} is not running")
+            live.netns_fd = fd
+        return live.netns_fd
+
+    async def connect(self, handle: RuntimeHandle, port: int) -> socket.socket:
+        live = self._live_of(handle)
+        nsfd = self._netns_fd(handle, live)
+        # The network namespace of a socket is fixed when it is created, and setns() only
+        # affects the calling thread: switch, create, switch back, with no await in between.
+        linux.setns(nsfd, linux.CLONE_NEWNET)
+        try:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        finally:
+            linux.setns(self._host_netns, linux.CLONE_NEWNET)
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            await asyncio.wait_for(asyncio.get_running_loop().sock_connect(
+                sock, ("127.0.0.1", port)), 10)
+        except (OSError, asyncio.TimeoutError) as exc:
+            sock.close()
+            if not self._alive(live):
+                raise AenvError(ErrorCode.UNAVAILABLE,
+                                f"sandbox {handle.sandbox_id} is not running") from None
+            raise AenvError(ErrorCode.UNAVAILABLE,
+                            f"nothing listens on port {port} in sandbox {handle.sandbox_id}: "
+                            f"{exc}") from None
+        return sock
+
+    async def stats(self, handle: RuntimeHandle) -> ResourceUsage:
+        live = self._live_of(handle)
+        if not self._alive(live):
+            raise AenvError(ErrorCode.NOT_FOUND, f"sandbox {handle.sandbox_id} is not running")
+        try:
+            sample = cgroups.sample(self.cgroups, handle.sandbox_id)
+        except OSError as exc:
+            raise AenvError(ErrorCode.NOT_FOUND, f"sandbox {handle.sandbox_id}: {exc}") from None
+        now = time.monotonic()
+        if live.cpu_ns is None:
+            # First sample after a restart: average since the sandbox started.
+            live.cpu_ns = 0
+            live.cpu_at = now - max(_uptime() - live.start_time / _CLK_TCK, 1e-3)
+        elapsed = max(now - live.cpu_at, 1e-6)
+        cpu_pct = max(sample.cpu_ns - live.cpu_ns, 0) / 1e9 / elapsed * 100.0
+        live.cpu_ns, live.cpu_at = sample.cpu_ns, now
+        upper = Path(handle.data.get("workspace", "")) / "upper"
+        disk = await asyncio.to_thread(_disk_usage, upper)
+        return ResourceUsage(
+            cpu_used_pct=round(cpu_pct, 2),
+            mem_used_bytes=sample.mem_used,
+            mem_total_bytes=sample.mem_limit,
+            mem_cache_bytes=sample.mem_cache,
+            disk_used_bytes=disk,
+            disk_total_bytes=self.config.sandbox.disk_size_mb * 2**20,
+        )
+
+    async def destroy(self, handle: RuntimeHandle) -> None:
+        pid = handle.data.get("pid")
+        await self._cleanup(handle.sandbox_id, handle.data, int(pid) if pid else None,
+                            start_time=handle.data.get("start_time"))
+
+    async def _cleanup(self, sandbox_id: str, data: dict[str, Any], pid: int | None,
+                       start_time: int | None = None) -> None:
+        live = self._live.pop(sandbox_id, None)
+        if live is not None and live.netns_fd is not None:
+            os.close(live.netns_fd)
+        if pid is not None:
+            await _kill_and_wait(pid, start_time)
+        # Anything left in the sandbox's cgroup (a half-made sandbox, an escaped process).
+        await self._kill_cgroup(sandbox_id)
+        try:
+            await asyncio.to_thread(self.cgroups.remove, sandbox_id)
+        except OSError as exc:
+            raise AenvError(ErrorCode.INTERNAL, f"sandbox {sandbox_id}: cgroup: {exc}") from None
+        if data.get("slot"):
+            await self._ensure_network()
+            await self.network.release(str(data["slot"]))
+        workspace = data.get("workspace")
+        if workspace:
+            await asyncio.to_thread(shutil.rmtree, workspace, True)
+
+
+    async def _kill_cgroup(self, sandbox_id: str, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        delay = 0.001
+        while True:
+            pids = self.cgroups.pids(sandbox_id)
+            if not pids:
+                return
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            if time.monotonic() > deadline:
+                raise AenvError(ErrorCode.INTERNAL,
+                                f"sandbox {sandbox_id}: processes {pids} do not die")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+
+async def _kill_and_wait(pid: int, start_time: int | None, timeout: float = 10.0) -> None:
+    """SIGKILL a sandbox's init (the kernel then kills its whole pid namespace) and wait until
+    it is gone. The fork-server (or the host's init) reaps it; we only watch /proc."""
+    current = linux.proc_start_time(pid)
+    if current is None or (start_time is not None and current != start_time):
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while linux.proc_start_time(pid) == current:
+        if time.monotonic() > deadline:
+            raise AenvError(ErrorCode.INTERNAL, f"sandbox init {pid} did not die")
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+def _uptime() -> float:
+    with open("/proc/uptime") as f:
+        return float(f.read().split()[0])
+
+
+def _disk_usage(root: Path) -> int:
+    """Bytes allocated under `root` (hard links counted once). Blocking."""
+    total = 0
+    seen: set[tuple[int, int]] = set()
+    stack = [str(root)]
+    while stack:
+        path = stack.pop()
+        try:
+            entries = list(os.scandir(path))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if st.st_nlink > 1:
+                key = (st.st_dev, st.st_ino)
+                if key in seen:
+                    continue
+                seen.add(key)
+            total += st.st_blocks * 512
+            if entry.is_dir(follow_symlinks=False):
+                stack.append(entry.path)
+    return total
+
+
+def _host_resolv_conf() -> str | None:
+    """The host's resolvers, for sandboxes with internet access. Loopback resolvers (a local
+    stub like systemd-resolved) are unreachable from a sandbox, so they are dropped."""
+    try:
+        lines = Path("/etc/resolv.conf").read_text().splitlines()
+    except OSError:
+        return None
+    out: list[str] = []
+    for line in lines:
+        words = line.split()
+        if len(words) < 2 or words[0] not in ("nameserver", "search", "options"):
+            continue
+        if words[0] == "nameserver" and words[1].startswith(("127.", "::1")):
+            continue
+        out.append(line)
+    if not any(line.startswith("nameserver") for line in out):
+        return None
+    return "\n".join(out) + "\n"

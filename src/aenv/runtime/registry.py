@@ -1,0 +1,24 @@
+"""Build a runtime driver by its configured name (`runtime.driver`).
+
+Owns: the mapping from driver names to implementations. Concrete drivers are imported only
+when chosen, so the orchestrator never depends on one.
+Must not touch: driver internals; it only constructs.
+"""
+
+from __future__ import annotations
+
+from aenv.config import Config
+from aenv.errors import AenvError, ErrorCode
+from aenv.runtime.base import RuntimeDriver
+
+DRIVERS = ("container",)
+
+
+def load_driver(name: str, config: Config) -> RuntimeDriver:
+    """A new, not yet started driver. Unknown names raise AenvError(INVALID_ARGUMENT)."""
+    if name == "container":
+        from aenv.runtime.container.driver import ContainerDriver
+
+        return ContainerDriver(config)
+    raise AenvError(ErrorCode.INVALID_ARGUMENT,
+                    f"unknown runtime driver {name!r} (available: {', '.join(DRIVERS)})")
