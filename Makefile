@@ -4,7 +4,7 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-APT_PACKAGES := debootstrap nftables iproute2 procps
+APT_PACKAGES := debootstrap nftables iproute2 procps libc-bin binutils
 STAMP := $(VENV)/.installed
 BUNDLE := /opt/aenv/runtime/py311/.complete
 
@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
 	@touch $(STAMP)
 
-$(BUNDLE): $(STAMP) $(shell find src/aenv/envd -name '*.py' 2>/dev/null) src/aenv/runtime/pybundle.py
+$(BUNDLE): $(STAMP) $(shell find src/aenv/envd -name "*.py" 2>/dev/null) src/aenv/runtime/pybundle.py src/aenv/runtime/container/zygote.py src/aenv/runtime/container/linux.py
 	$(PY) -m aenv.runtime.pybundle build
 
 run: install

@@ -49,7 +49,9 @@ class SandboxDefaults:
 @dataclass
 class RuntimeConfig:
     driver: str = "container"
-    warm_pool: int = 4  # pre-created network slots/cgroups kept ready per node
+    # A burst of up to this many creates finds everything prepared ahead of time:
+    warm_pool: int = 16  # network slots (netns + veth) for sandboxes with internet access
+    warm_processes: int = 16  # half-set-up sandbox processes kept by the fork-server
 
 
 @dataclass

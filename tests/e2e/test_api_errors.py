@@ -231,6 +231,22 @@ def test_envd_requires_the_sandbox_token(raw_http: httpx.Client, api: httpx.Clie
         other.kill()
 
 
+def test_rejected_uploads_always_get_their_401(raw_http: httpx.Client, sbx: Sandbox) -> None:
+    """An upload refused before its body is read must still deliver the whole 401 answer
+    (through the proxy) every time, not a reset or truncated response."""
+    failures: list[str] = []
+    for i in range(40):
+        try:
+            resp = raw_http.post("/files", params={"path": f"/home/user/rejected-{i}.txt"},
+                                 files={"file": ("r.txt", b"x" * (i * 50))},
+                                 headers=envd_headers(sbx.sandbox_id, "wrong-token"))
+            if resp.status_code != 401 or resp.json().get("code") != 401:
+                failures.append(f"{i}: {resp.status_code} {resp.text[:80]}")
+        except httpx.HTTPError as exc:
+            failures.append(f"{i}: {type(exc).__name__}: {exc}")
+    assert not failures, f"{len(failures)}/40 rejected uploads broke: {failures[:5]}"
+
+
 # ------------------------------------------------------------------ path traversal
 
 

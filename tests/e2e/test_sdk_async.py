@@ -225,9 +225,13 @@ async def test_watch_dir_streaming(asbx: AsyncSandbox) -> None:
 
 async def test_create_many_list_page_kill(run_id: str) -> None:
     meta = {"e2e-async-list": run_id}
-    sandboxes = await asyncio.gather(*(AsyncSandbox.create(metadata={**meta, "i": str(i)},
-                                                           timeout=120) for i in range(3)))
+    results = await asyncio.gather(*(AsyncSandbox.create(metadata={**meta, "i": str(i)},
+                                                         timeout=120) for i in range(3)),
+                                   return_exceptions=True)
+    sandboxes = [r for r in results if isinstance(r, AsyncSandbox)]
     try:
+        errors = [r for r in results if not isinstance(r, AsyncSandbox)]
+        assert not errors, f"creates failed: {errors!r}"
         outs = await asyncio.gather(*(s.commands.run("hostname") for s in sandboxes))
         assert [o.stdout.strip() for o in outs] == [s.sandbox_id for s in sandboxes]
 
@@ -244,8 +248,8 @@ async def test_create_many_list_page_kill(run_id: str) -> None:
         other = await AsyncSandbox.connect(sandboxes[0].sandbox_id)
         assert (await other.commands.run("echo via-connect")).stdout == "via-connect\n"
     finally:
-        results = await asyncio.gather(*(s.kill() for s in sandboxes))
-    assert results == [True, True, True]
+        killed = await asyncio.gather(*(s.kill() for s in sandboxes))
+    assert killed == [True, True, True]
     assert await AsyncSandbox.kill(sandboxes[0].sandbox_id) is False
     with pytest.raises(SandboxNotFoundException):
         await AsyncSandbox.get_info(sandboxes[0].sandbox_id)

@@ -102,6 +102,17 @@ def test_run_callbacks_receive_output(sbx: Sandbox) -> None:
     assert "".join(err) == "oops\n"
 
 
+def test_large_output_arrives_intact(sbx: Sandbox) -> None:
+    res = sbx.commands.run("seq 1 300000; seq 1 1000 >&2")
+    lines = res.stdout.splitlines()
+    assert len(lines) == 300000 and lines[0] == "1" and lines[-1] == "300000"
+    assert res.stdout == "".join(f"{i}\n" for i in range(1, 300001))
+    assert res.stderr.splitlines()[-1] == "1000"
+    # multi-byte characters split across chunks are decoded correctly
+    res = sbx.commands.run("python3 -c \"import sys; sys.stdout.write('é€𝄞' * 50000)\"")
+    assert res.stdout == "é€𝄞" * 50000
+
+
 def test_nonzero_exit_raises_command_exit(sbx: Sandbox) -> None:
     with pytest.raises(CommandExitException) as exc_info:
         sbx.commands.run("echo partial; echo bad >&2; exit 7")
@@ -181,6 +192,26 @@ def test_kill_unknown_pid_is_false(sbx: Sandbox) -> None:
     assert sbx.commands.kill(999_999) is False
 
 
+def test_stdin_then_close_stdin(sbx: Sandbox) -> None:
+    handle = sbx.commands.run("tr a-z A-Z", background=True, stdin=True, timeout=30)
+    handle.send_stdin("hello ")
+    sbx.commands.send_stdin(handle.pid, b"world\n")
+    handle.close_stdin()  # EOF: `tr` finishes
+    assert handle.wait().stdout == "HELLO WORLD\n"
+
+
+def test_metrics(sbx: Sandbox) -> None:
+    info = sbx.get_info()
+    metrics = sbx.get_metrics()
+    assert metrics, "at least the current sample"
+    last = metrics[-1]
+    assert last.cpu_count == info.cpu_count
+    assert last.mem_total == info.memory_mb * 1024 * 1024
+    assert 0 < last.mem_used <= last.mem_total
+    assert 0 <= last.cpu_used_pct
+    assert abs((last.timestamp - datetime.now(UTC)).total_seconds()) < 60
+
+
 # ------------------------------------------------------------------ pty
 
 
@@ -251,6 +282,14 @@ def test_files_write_read_text_bytes_stream(sbx: Sandbox) -> None:
     rel = f"rel-{uuid.uuid4().hex[:8]}.txt"
     assert sbx.files.write(rel, "relative").path == f"/home/user/{rel}"
     assert sbx.commands.run(f"cat /home/user/{rel}").stdout == "relative"
+
+    # gzip both ways, and file metadata (envd >= 0.6.2)
+    sbx.files.write(f"{base}/gz.txt", "compressed " * 1000, gzip=True)
+    assert sbx.files.read(f"{base}/gz.txt", gzip=True) == "compressed " * 1000
+    assert sbx.commands.run(f"wc -c < {base}/gz.txt").stdout.strip() == str(11 * 1000)
+    written = sbx.files.write(f"{base}/meta.txt", "m", metadata={"Origin": "e2e", "n": "1"})
+    assert written.metadata == {"origin": "e2e", "n": "1"}
+    assert sbx.files.get_info(f"{base}/meta.txt").metadata == {"origin": "e2e", "n": "1"}
 
     # files written as the default user belong to it
     assert sbx.files.get_info(f"{base}/text.txt").owner == "user"
@@ -379,12 +418,18 @@ def test_connect_to_running_sandbox(sbx: Sandbox) -> None:
 
 def test_list_filters_and_paging(run_id: str) -> None:
     meta = {"e2e-list": run_id}
-    with ThreadPoolExecutor(3) as pool:
-        sandboxes = list(pool.map(
-            lambda i: Sandbox.create(metadata={**meta, "idx": str(i), "odd": "a&b=c d/é"}
-                                     if i == 1 else {**meta, "idx": str(i)}, timeout=120),
-            range(3)))
+    odd = "a&b=c d/é+%25?#"
+    created: list[Sandbox] = []
+
+    def create(i: int) -> Sandbox:
+        extra = {"odd": odd} if i == 1 else {}
+        s = Sandbox.create(metadata={**meta, "idx": str(i), **extra}, timeout=120)
+        created.append(s)
+        return s
+
     try:
+        with ThreadPoolExecutor(3) as pool:
+            sandboxes = list(pool.map(create, range(3)))
         ids = {s.sandbox_id for s in sandboxes}
         assert len(ids) == 3
 
@@ -404,7 +449,7 @@ def test_list_filters_and_paging(run_id: str) -> None:
 
         # metadata filters: every pair must match, values with reserved characters work
         assert _ids(SandboxQuery(metadata={**meta, "idx": "2"})) == [sandboxes[2].sandbox_id]
-        assert _ids(SandboxQuery(metadata={"odd": "a&b=c d/é", **meta})) == [sandboxes[1].sandbox_id]
+        assert _ids(SandboxQuery(metadata={"odd": odd, **meta})) == [sandboxes[1].sandbox_id]
         assert _ids(SandboxQuery(metadata={**meta, "idx": "7"})) == []
         # state filters
         assert set(_ids(SandboxQuery(metadata=meta, state=[SandboxState.RUNNING]))) == ids
@@ -414,7 +459,7 @@ def test_list_filters_and_paging(run_id: str) -> None:
         # without filters the listing includes ours (and possibly the module sandbox)
         assert ids <= set(_ids(SandboxQuery()))
     finally:
-        for s in sandboxes:
+        for s in created:
             s.kill()
     assert _ids(SandboxQuery(metadata=meta)) == []
 
@@ -426,8 +471,14 @@ def test_kill_then_second_kill_is_false(run_id: str) -> None:
     s = Sandbox.create(metadata={"e2e-kill": run_id}, timeout=120)
     try:
         assert s.commands.run("echo alive").stdout == "alive\n"
+        handle = s.commands.run("sleep 100", background=True, timeout=90)
     finally:
         assert s.kill() is True
+    # a command stream open at kill time ends promptly with an error
+    started = time.monotonic()
+    with pytest.raises(Exception) as exc_info:  # any error, but not a hang
+        handle.wait()
+    assert time.monotonic() - started < 15, f"stream hung after kill: {exc_info.value!r}"
     assert s.kill() is False
     assert Sandbox.kill(s.sandbox_id) is False
     with pytest.raises(SandboxNotFoundException):
@@ -440,10 +491,16 @@ def test_kill_then_second_kill_is_false(run_id: str) -> None:
 
 def test_set_timeout_and_expiry(run_id: str) -> None:
     meta = {"e2e-expiry": run_id}
-    with ThreadPoolExecutor(2) as pool:
-        short, extended = pool.map(
-            lambda t: Sandbox.create(metadata={**meta, "kind": str(t)}, timeout=t), (2, 60))
+    created: list[Sandbox] = []
+
+    def create(ttl: int) -> Sandbox:
+        s = Sandbox.create(metadata={**meta, "kind": str(ttl)}, timeout=ttl)
+        created.append(s)
+        return s
+
     try:
+        with ThreadPoolExecutor(2) as pool:
+            short, extended = pool.map(create, (2, 60))
         # set_timeout may extend...
         before = extended.get_info().end_at
         extended.set_timeout(240)
@@ -467,8 +524,8 @@ def test_set_timeout_and_expiry(run_id: str) -> None:
                 pass  # killed on expiry: the runtime cannot pause
             assert s.is_running() is False
     finally:
-        short.kill()
-        extended.kill()
+        for s in created:
+            s.kill()
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -25,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from envd_helpers import SRC, TEST_USER, Envd, ensure_test_user, free_port, make_sandbox, start_envd  # noqa: E402
+from envd_helpers import SRC, TEST_USER, Envd, ensure_test_user, free_port, make_sandbox, start_envd
 
 
 def memory(pid: int) -> dict[str, int]:
@@ -51,7 +52,7 @@ def show(label: str, values: dict[str, int]) -> None:
 
 def percentiles(samples: list[float]) -> str:
     ordered = sorted(samples)
-    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000  # noqa: E731
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
     return f"p50={statistics.median(ordered) * 1000:.1f}ms p90={pick(0.9):.1f}ms p99={pick(0.99):.1f}ms"
 
 
@@ -132,6 +133,7 @@ def main() -> None:
         os.kill(child, 15)
     parent.kill()
     parent.wait()
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

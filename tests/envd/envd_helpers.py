@@ -3,6 +3,7 @@ and speak raw Connect envelopes where the SDK cannot reach."""
 
 from __future__ import annotations
 
+import grp
 import json
 import os
 import pwd
@@ -24,6 +25,7 @@ from e2b import AsyncSandbox, ConnectionConfig, Sandbox
 from packaging.version import Version
 
 TEST_USER = "aenvtest"
+TEST_GROUP = "aenvtestgrp"  # a supplementary group of TEST_USER
 TOKEN = "envd-test-token-" + uuid.uuid4().hex[:8]
 
 
@@ -60,10 +62,17 @@ def free_port() -> int:
 
 def ensure_test_user() -> pwd.struct_passwd:
     try:
-        return pwd.getpwnam(TEST_USER)
+        pwd.getpwnam(TEST_USER)
     except KeyError:
         subprocess.run(["useradd", "-m", "-s", "/bin/bash", TEST_USER], check=True)
-        return pwd.getpwnam(TEST_USER)
+    try:
+        members = grp.getgrnam(TEST_GROUP).gr_mem
+    except KeyError:
+        subprocess.run(["groupadd", TEST_GROUP], check=True)
+        members = []
+    if TEST_USER not in members:
+        subprocess.run(["usermod", "-aG", TEST_GROUP, TEST_USER], check=True)
+    return pwd.getpwnam(TEST_USER)
 
 
 def start_envd(

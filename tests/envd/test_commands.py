@@ -84,6 +84,11 @@ def test_runs_as_default_user_and_as_root(sbx: Sandbox, work: Path) -> None:
     assert Path(work, "by-user").stat().st_uid != 0
 
 
+def test_supplementary_groups(sbx: Sandbox) -> None:
+    groups = sbx.commands.run("id -Gn").stdout.split()
+    assert groups[0] == "aenvtest" and "aenvtestgrp" in groups
+
+
 def test_unknown_user_is_rejected(sbx: Sandbox) -> None:
     with pytest.raises(AuthenticationException, match="invalid username"):
         sbx.commands.run("true", user="no-such-user-xyz")

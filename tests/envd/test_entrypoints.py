@@ -76,3 +76,22 @@ def test_reaps_orphans_as_pid_1(session_tmp: Path, test_user: object) -> None:
         # unshare ignores SIGTERM while it waits; killing it kills envd (--kill-child).
         envd.process.kill()
         envd.process.wait()
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux unshare")
+def test_falls_back_to_sh_without_bash(session_tmp: Path, test_user: object) -> None:
+    # In a private mount namespace, /bin/bash becomes a non-executable file.
+    blocker = session_tmp / "not-bash"
+    blocker.write_text("")
+    os.chmod(blocker, 0o644)
+    hide_bash = f'mount --bind {blocker} /bin/bash && exec "$@"'
+    envd = start_envd(
+        session_tmp, wrapper=["unshare", "--mount", "--propagation", "private", "sh", "-c", hide_bash, "sh"]
+    )
+    try:
+        sbx = make_sandbox(envd)
+        result = sbx.commands.run("readlink /proc/$$/exe; echo ok")
+        assert result.stdout.splitlines()[-1] == "ok"
+        assert not result.stdout.startswith("/usr/bin/bash")
+    finally:
+        envd.stop()

@@ -94,6 +94,11 @@ def test_download_encoding_on_the_wire(envd: Envd, sbx: Sandbox, work: Path) -> 
     zipped = httpx.get(envd.url + "/files", params=params, headers={**envd.headers(), "Accept-Encoding": "gzip"})
     assert zipped.headers["content-encoding"] == "gzip"
     assert zipped.text == "wire " * 1000
+    # httpx's default offer: identity is acceptable and much cheaper than deflating
+    default = httpx.get(envd.url + "/files", params=params, headers={**envd.headers(), "Accept-Encoding": "gzip, deflate"})
+    assert "content-encoding" not in default.headers and default.text == "wire " * 1000
+    refused = httpx.get(envd.url + "/files", params=params, headers={**envd.headers(), "Accept-Encoding": "br;q=1, identity;q=0"})
+    assert refused.status_code == 406
     ranged = httpx.get(envd.url + "/files", params=params, headers={**envd.headers(), "Range": "bytes=5-9"})
     assert ranged.status_code == 206 and ranged.content == b"wire "
 
@@ -210,3 +215,37 @@ def test_many_small_roundtrips_are_fast(sbx: Sandbox, work: Path) -> None:
         sbx.files.write(f"{work}/n{i}.txt", str(i))
         assert sbx.files.read(f"{work}/n{i}.txt") == str(i)
     assert time.monotonic() - started < 10
+
+
+def test_large_upload_is_not_buffered(envd: Envd, sbx: Sandbox, work: Path) -> None:
+    def high_water_kib() -> int:
+        for line in Path(f"/proc/{envd.process.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+        raise AssertionError("no VmHWM")
+
+    before = high_water_kib()
+    chunk = b"\xab" * (1 << 20)
+    sbx.files.write(f"{work}/huge.bin", (chunk for _ in range(64)))
+    assert Path(work, "huge.bin").stat().st_size == 64 << 20
+    assert high_water_kib() - before < 16 * 1024  # far below the 64 MiB that went through
+
+
+def test_rejected_upload_still_gets_its_answer(envd: Envd, work: Path) -> None:
+    response = httpx.post(
+        envd.url + "/files",
+        params={"path": f"{work}/nope.bin"},
+        content=b"x" * (3 << 20),
+        headers={"Content-Type": "application/octet-stream", "X-Access-Token": "wrong"},
+    )
+    assert response.status_code == 401
+    assert not Path(work, "nope.bin").exists()
+
+
+def test_duplicate_paths_in_one_upload(envd: Envd, work: Path) -> None:
+    response = httpx.post(
+        envd.url + "/files",
+        files=[("file", (f"{work}/same.txt", b"1")), ("file", (f"{work}/same.txt", b"2"))],
+        headers=envd.headers(),
+    )
+    assert response.status_code == 400 and "multiple files to the same path" in response.json()["message"]

@@ -189,3 +189,51 @@ def test_init_sets_token_env_user_and_workdir(session_tmp: Path, test_user: obje
         assert httpx.get(envd.url + "/envs", headers={"X-Access-Token": "rotated"}).json() == {"FROM_INIT": "yes"}
     finally:
         envd.stop()
+
+
+def test_watch_stream_keepalive_and_deadline(envd: Envd, work: Path) -> None:
+    _, frames = stream_call(
+        envd,
+        "/filesystem.Filesystem/WatchDir",
+        {"path": str(work)},
+        {"Keepalive-Ping-Interval": "1", "Connect-Timeout-Ms": "1600"},
+    )
+    assert frames[0] == (0, {"start": {}})
+    assert (0, {"keepalive": {}}) in frames
+    assert frames[-1][0] == 2 and frames[-1][1]["error"]["code"] == "deadline_exceeded"  # type: ignore[index]
+
+
+def test_tags_stream_input_and_list(envd: Envd) -> None:
+    def body() -> Iterator[bytes]:
+        yield envelope({"process": {"cmd": "cat"}, "tag": "my-tag"})
+
+    with httpx.Client(base_url=envd.url, headers={**envd.headers(), "Content-Type": "application/connect+json"}) as client:
+        with client.stream("POST", "/process.Process/Start", content=body(), timeout=10) as stream:
+            chunks = stream.iter_bytes()
+            first = next(chunks)
+            pid = parse_envelopes(first)[0][1]["event"]["start"]["pid"]  # type: ignore[index]
+            listed = unary_call(envd, "/process.Process/List", {}).json()["processes"]
+            assert {"config": {"cmd": "cat", "args": [], "envs": {}}, "pid": pid, "tag": "my-tag"} in listed
+
+            def inputs() -> Iterator[bytes]:
+                yield envelope({"start": {"process": {"tag": "my-tag"}}})
+                yield envelope({"data": {"input": {"stdin": base64.b64encode(b"via tag\n").decode()}}})
+                yield envelope({"keepalive": {}})
+
+            reply = client.post("/process.Process/StreamInput", content=inputs())
+            assert parse_envelopes(reply.content) == [(0, {}), (2, {})]  # exactly one message, then the end
+            assert unary_call(envd, "/process.Process/CloseStdin", {"process": {"tag": "my-tag"}}).json() == {}
+            rest = b"".join(chunks)
+        events = [f[1] for f in parse_envelopes(first + rest)]
+        output = b"".join(base64.b64decode(e["event"]["data"]["stdout"]) for e in events if "data" in e.get("event", {}))  # type: ignore[index, union-attr]
+        assert output == b"via tag\n"
+        _, frames = stream_call(envd, "/process.Process/Connect", {"process": {"tag": "my-tag"}})
+        assert frames[1][1]["event"]["end"]["exitCode"] == 0  # type: ignore[index]
+
+
+def test_invalid_environment_is_rejected(envd: Envd) -> None:
+    _, frames = stream_call(envd, "/process.Process/Start", {"process": {"cmd": "true", "envs": {"A=B": "x"}}})
+    assert frames[-1][1]["error"]["code"] == "invalid_argument"  # type: ignore[index]
+    _, frames = stream_call(envd, "/process.Process/Start", {"process": {"cmd": "no-such-binary-xyz"}})
+    assert frames[-1][1]["error"]["code"] == "invalid_argument"  # type: ignore[index]
+    assert "executable file not found" in frames[-1][1]["error"]["message"]  # type: ignore[index]

@@ -68,10 +68,10 @@ async def create(driver: ContainerDriver, rootfs: Path, home: Path
     async def _create(drv: ContainerDriver | None = None, **overrides: Any) -> RuntimeHandle:
         drv = drv or driver
         sid = overrides.pop("sandbox_id", None) or new_id()
-        fields: dict[str, Any] = dict(
-            sandbox_id=sid, lower_layers=(rootfs,), workspace=home / "sandboxes" / sid,
-            cpu_count=1, memory_mb=256, pids_max=256, default_user="root",
-            allow_internet_access=False)
+        fields: dict[str, Any] = {
+            "sandbox_id": sid, "lower_layers": (rootfs,), "workspace": home / "sandboxes" / sid,
+            "cpu_count": 1, "memory_mb": 256, "pids_max": 256, "default_user": "root",
+            "allow_internet_access": False}
         fields.update(overrides)
         handle = await drv.create(SandboxSpec(**fields))
         made.append((drv, handle))

@@ -120,7 +120,11 @@ class _Pool:
 
 
 class UpstreamError(Exception):
-    pass
+    """The upstream failed before the response started: answer with a 502."""
+
+
+class ResponseAborted(Exception):
+    """The upstream failed mid-response: the client connection must be aborted."""
 
 
 async def _read_head(reader: asyncio.StreamReader) -> tuple[int, list[tuple[bytes, bytes]]]:
@@ -183,6 +187,10 @@ class SandboxProxy:
             return
         try:
             reusable = await self._exchange(scope, receive, send, target, conn)
+        except ResponseAborted as exc:
+            conn.close()
+            log.info("proxy to %s:%d: %s", target.sandbox_id, target.port, exc)
+            raise
         except UpstreamError as exc:
             conn.close()
             log.info("proxy to %s:%d failed: %s", target.sandbox_id, target.port, exc)
@@ -310,9 +318,10 @@ class SandboxProxy:
                     return False  # client went away mid-stream: drop the upstream stream
                 try:
                     piece = piece_task.result()
-                except (asyncio.IncompleteReadError, ConnectionError, ValueError):
-                    await send({"type": "http.response.body", "body": b""})
-                    return False
+                except (asyncio.IncompleteReadError, ConnectionError, ValueError) as exc:
+                    # Ending the body normally would present a truncated answer as complete;
+                    # aborting the client connection tells the client it is incomplete.
+                    raise ResponseAborted(f"upstream response cut short: {exc!r}") from None
                 if piece is None:
                     await send({"type": "http.response.body", "body": b""})
                     return keep_alive and (length is not None or chunked) and body_done.is_set()

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import sys
 
-# envd never speaks TLS; keeping `ssl` (and OpenSSL) out of the process saves ~4 MiB RSS.
-# asyncio imports it optionally, so blocking the import is safe here, in envd's own
-# process, and only here (a library must not do this to its host).
-if "ssl" not in sys.modules:
-    sys.modules["ssl"] = None  # type: ignore[assignment]
+from aenv.envd.lean import block_ssl
+
+# This process is envd and nothing else: it can do without TLS (see aenv.envd.lean).
+block_ssl()
 
 
 def main(argv: list[str] | None = None) -> None:

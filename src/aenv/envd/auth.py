@@ -35,7 +35,9 @@ TOKEN_HEADER = "x-access-token"
 
 # Requests that never need the header: health checks, /files (which may carry a
 # signature instead and checks on its own) and /init (which authenticates itself).
-PUBLIC = frozenset({("GET", "/health"), ("GET", "/files"), ("POST", "/files"), ("POST", "/init")})
+PUBLIC = frozenset(
+    {("GET", "/health"), ("HEAD", "/health"), ("GET", "/files"), ("POST", "/files"), ("POST", "/init")}
+)
 
 UNAUTHORIZED = "unauthorized access, please provide a valid access token or method signing if supported"
 

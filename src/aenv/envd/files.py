@@ -1,8 +1,8 @@
 """`GET /files` (download) and `POST /files` (upload).
 
-Owns: the plain-HTTP file transfer API. Downloads stream the file (zero-copy `sendfile`
-when uncompressed, single byte ranges honoured) or gzip it on the fly when the client
-accepts gzip. Uploads are written to disk as they arrive — multipart bodies (one or more
+Owns: the plain-HTTP file transfer API. Downloads stream the file (zero-copy `sendfile`,
+single byte ranges honoured) or gzip it on the fly when gzip is what the client asks for
+(see `accepts_gzip`). Uploads are written to disk as they arrive — multipart bodies (one or more
 `file` parts whose filename is the destination path; a `?path=` wins for a single file)
 are parsed incrementally and `application/octet-stream` bodies (optionally
 `Content-Encoding: gzip`) are decompressed incrementally — so a large upload never sits
@@ -112,35 +112,31 @@ def _pct(text: str, charset: str) -> str:
 
 
 def accepts_gzip(header: str) -> bool | None:
-    """Go envd's negotiation: True gzip, False identity, None nothing acceptable."""
+    """Whether to gzip a download: True gzip, False identity, None nothing acceptable.
+
+    Only when gzip is the one coding the client offers (the SDK's `gzip=True` sends just
+    `gzip`) or identity is refused. For httpx's default `gzip, deflate` the file goes out
+    uncompressed with zero-copy sendfile: deflating in Python runs at ~50 MB/s and would
+    be the bottleneck of every large download. (Go envd gzips whenever gzip is merely
+    acceptable; either answer is valid HTTP and transparent to clients.)
+    """
     if not header.strip():
         return False
-    offers: list[tuple[float, int, str]] = []
-    identity_rejected = identity_accepted = wildcard_rejected = False
-    for index, item in enumerate(header.split(",")):
+    offered: dict[str, float] = {}
+    for item in header.split(","):
         name, params = parse_params(item)
-        try:
-            quality = float(params.get("q", "1"))
-        except ValueError:
-            quality = 1.0
-        if name == "identity":
-            identity_rejected |= quality == 0
-            identity_accepted |= quality > 0
-        if name == "*" and quality == 0:
-            wildcard_rejected = True
-        offers.append((-quality, index, name))
-    if wildcard_rejected and not identity_accepted:
-        identity_rejected = True
-    for negative_quality, _, name in sorted(offers):
-        if negative_quality == 0:
+        if not name:
             continue
-        if name == "identity":
-            return False
-        if name == "*":
-            return identity_rejected
-        if name == "gzip":
-            return True
-    return None if identity_rejected else False
+        try:
+            offered[name] = float(params.get("q", "1"))
+        except ValueError:
+            offered[name] = 1.0
+    gzip_ok = offered.get("gzip", offered.get("*", 0.0)) > 0
+    identity = offered.get("identity", offered.get("*", 1.0))
+    if identity == 0:
+        return True if gzip_ok else None
+    others = [name for name, q in offered.items() if q > 0 and name not in ("gzip", "identity")]
+    return offered.get("gzip", 0.0) > 0 and not others
 
 
 def parse_range(header: str, size: int) -> tuple[int, int] | None | bool:
@@ -328,7 +324,6 @@ class FilesApi:
             if response.started:
                 response.connection.abort()
                 return
-            response.close_after = not request.body.done
             await response.send_error(e.status, str(e))
 
     # -- download -----------------------------------------------------------------------

@@ -138,11 +138,11 @@ class Connection(asyncio.Protocol):
         self._task = self._loop.create_task(self._serve())
 
     def _quick_ack(self) -> None:
-        # Clients that write a request's head and body separately without TCP_NODELAY
-        # (httpx, pyqwest streaming bodies) hold the body back until the head is ACKed;
-        # Linux delays that ACK by up to 40 ms. Asking for immediate ACKs — the kernel
-        # drops back to delayed ACKs on its own, so it is re-armed on every read — takes
-        # a unary RPC from ~44 ms to ~1 ms.
+        # A client that writes a request's head and body separately without TCP_NODELAY
+        # holds the body back until the head is ACKed, and Linux delays that ACK by up
+        # to 40 ms. Asking for immediate ACKs (the kernel drops back to delayed ACKs on
+        # its own, so this is re-armed on every read) took such requests on a kept-alive
+        # connection from 44 ms to 0.3 ms.
         if _TCP_QUICKACK is not None and self._sock is not None:
             try:
                 self._sock.setsockopt(socket.IPPROTO_TCP, _TCP_QUICKACK, 1)
@@ -328,9 +328,15 @@ class Connection(asyncio.Protocol):
                         return
                     response.close_after = True
                     await response.send_error(500, "handler sent no response")
-                if response.close_after or not request.keep_alive or self.closed:
+                # An unread body (an early error answer) must be consumed before the
+                # next request, and before closing too: closing a socket with unread
+                # input makes the kernel send RST, and a client still uploading may then
+                # lose our answer. A client waiting for `100 Continue` sends no body.
+                if not request.body.done and (
+                    request.body.awaiting_continue or not await request.body.discard()
+                ):
                     return
-                if not request.body.done and not await request.body.discard():
+                if response.close_after or not request.keep_alive or self.closed:
                     return
         except (ClientGone, ConnectionError):
             pass
@@ -407,6 +413,11 @@ class Body:
         self._chunk_left = 0
         self._expect = expect
         self.done = not chunked and not length
+
+    @property
+    def awaiting_continue(self) -> bool:
+        """The client sent `Expect: 100-continue` and is still waiting for it."""
+        return self._expect
 
     async def read(self, limit: int = 65536) -> bytes:
         """Up to `limit` bytes of body; b"" once the body is complete."""

@@ -38,6 +38,7 @@ from typing import Any
 
 from aenv.envd.channel import Channel
 from aenv.envd.errors import RpcError
+from aenv.envd.log import log_exception
 from aenv.envd.proto import Msg
 from aenv.envd.users import User
 
@@ -66,10 +67,18 @@ SIGNAL_NAMES = {
     14: "alarm clock",
     15: "terminated",
     16: "stack fault",
+    17: "child exited",
+    18: "continued",
+    19: "stopped (signal)",
+    20: "stopped",
+    21: "stopped (tty input)",
+    22: "stopped (tty output)",
+    23: "urgent I/O condition",
     24: "CPU time limit exceeded",
     25: "file size limit exceeded",
     26: "virtual timer expired",
     27: "profiling timer expired",
+    28: "window changed",
     29: "I/O possible",
     30: "power failure",
     31: "bad system call",
@@ -390,7 +399,10 @@ class Supervisor:
     def _deliver(self, pid: int, status: int) -> None:
         process = self.processes.get(pid)
         if process is not None and process.status is None:
-            process.exited(status)
+            try:
+                process.exited(status)
+            except Exception as e:  # noqa: BLE001 - keep reaping the others
+                log_exception(f"exit of process {pid}", e)
         # Anything else is an orphan re-parented to us (we are PID 1): reaping is all.
 
     def start(
@@ -443,7 +455,9 @@ class Supervisor:
             for fd in child_fds:
                 os.close(fd)
 
-        self._retained.pop(pid, None)
+        stale = self._retained.pop(pid, None)  # a recycled pid: the old end is not ours
+        if stale is not None:
+            stale[2].cancel()
         process = Process(self, pid, config, tag, outputs, stdin_fd, pty_fd)
         self.processes[pid] = process
         if lifetime is not None:

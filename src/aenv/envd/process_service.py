@@ -139,6 +139,11 @@ class ProcessService:
             pty_size = (get_int(size, "cols"), get_int(size, "rows"))
         if not cmd:
             raise invalid("process cmd must not be empty")
+        for key, value in envs.items():
+            if not key or "=" in key or "\0" in key or "\0" in value:
+                raise invalid(f"invalid environment variable {key!r}")
+        if any("\0" in arg for arg in (cmd, *args)):
+            raise invalid("arguments must not contain NUL bytes")
 
         workdir = resolve_path(cwd or "", user, settings.default_workdir)
         if not os.path.exists(workdir):

@@ -46,7 +46,8 @@ class App:
         self.users = UserDb()
         self.supervisor = Supervisor(reap_all=settings.is_init)
         self.entries = Entries(self.users, MetadataStore(settings.metadata_dir))
-        self._metrics: Metrics | None = None
+        # Created now so the first /metrics reports CPU use since envd started.
+        self.metrics = Metrics()
         self.process = ProcessService(self)
         self.filesystem = FilesystemService(self)
         self.files = FilesApi(self)
@@ -92,9 +93,7 @@ class App:
         elif path == "/envs" and method == "GET":
             await response.send_json(200, self.settings.env_vars, [("Cache-Control", "no-store")])
         elif path == "/metrics" and method == "GET":
-            if self._metrics is None:
-                self._metrics = Metrics()
-            await response.send_json(200, self._metrics.snapshot(), [("Cache-Control", "no-store")])
+            await response.send_json(200, self.metrics.snapshot(), [("Cache-Control", "no-store")])
         elif path == "/init" and method == "POST":
             await self.init(request, response)
         elif path.startswith(RPC_PREFIXES):
@@ -170,7 +169,7 @@ async def serve_forever(settings: EnvdSettings, listen_socket: socket.socket | N
     app = App(settings)
     app.supervisor.install(loop)
     sock = listen_socket if listen_socket is not None else _bind(settings.host, settings.port)
-    server = await loop.create_server(lambda: Connection(app.handle), sock=sock, backlog=1024)
+    server = await loop.create_server(lambda: Connection(app.handle), sock=sock, backlog=4096)
     stop: asyncio.Future[None] = loop.create_future()
 
     def request_stop() -> None:
@@ -193,6 +192,9 @@ async def serve_forever(settings: EnvdSettings, listen_socket: socket.socket | N
 def run(settings: EnvdSettings, listen_socket: socket.socket | None = None) -> None:
     """Serve envd on `listen_socket` (or bind settings.host:settings.port) until stopped."""
     _ensure_std_fds()
+    # Forked from a process that was inside a running loop (a fork server), Python 3.11
+    # still believes that loop runs in this thread; the child has its own loop now.
+    asyncio.events._set_running_loop(None)
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     try:

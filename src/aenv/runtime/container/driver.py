@@ -2,13 +2,21 @@
 pre-warmed envd fork-server (see `zygote.py` for what happens inside a sandbox).
 
 Owns: the fork-server process, the per-sandbox cgroups (`cgroups.py`), workspaces
-(`spec.workspace`: upper/, work/, rootfs/ mountpoint), network slots (`network.py`), and the
-cached network-namespace fds used by `connect()`.
+(`spec.workspace`: upper/ and work/ of the overlay, which is mounted over the workspace
+directory itself inside the sandbox's mount namespace), a small read-only layer of its own
+(mountpoints), network slots (`network.py`), and the cached network-namespace fds used by
+`connect()`.
 Must not touch: the host's mount table (sandbox mounts live in their own private mount
 namespaces), other cgroups, the orchestrator's records (handles are returned, never stored).
 
 Handle data (JSON): pid + start_time identify the sandbox's init across pid reuse and server
-restarts; workspace, slot and envd_port let a restarted driver clean up without the spec.
+restarts; workspace, slot (+ its address) and envd_port let a restarted driver clean up
+without the spec.
+
+create() returns when envd's listen socket exists (connections queue in the kernel until its
+event loop runs, a few ms later). connect() reaches 127.0.0.1:port inside a sandbox without
+any veth: the socket is created while the event loop's thread is setns()'d into the
+sandbox's network namespace.
 """
 
 from __future__ import annotations
@@ -23,9 +31,10 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Coroutine
+from typing import Any
 
 from aenv.config import Config
 from aenv.errors import AenvError, ErrorCode
@@ -104,7 +113,7 @@ class _Zygote:
         # children in any way that matters (they re-parent to the host's init).
         try:
             await asyncio.wait_for(asyncio.to_thread(self.proc.wait), 5)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.proc.kill()
             await asyncio.to_thread(self.proc.wait)
 
@@ -126,30 +135,37 @@ class ContainerDriver:
         build_bundle: bool = True,
         create_timeout: float = 30.0,
         warm_processes: int | None = None,
+        max_concurrent_setups: int | None = None,
     ) -> None:
         self.config = config
         self.bundle = bundle
         self.cgroups = cgroup_layout or cgroups.CgroupLayout()
         self.network = network or NetworkPool(config.network.bridge, config.network.subnet,
-                                              config.runtime.warm_pool)
+                                              config.runtime.warm_pool,
+                                              idle=lambda: not self._creating)
         self.envd_module = envd_module
         self.extra_python_path = extra_python_path
         self.build_bundle = build_bundle
         self.create_timeout = create_timeout
         # Pre-forked, half-set-up sandbox processes kept by the fork-server (~1 MiB each):
         # a burst of up to this many creates skips fork, cgroup creation and unsharing.
-        self.warm_processes = (max(16, config.runtime.warm_pool) if warm_processes is None
+        self.warm_processes = (config.runtime.warm_processes if warm_processes is None
                                else warm_processes)
+        self.max_concurrent_setups = max_concurrent_setups  # None: one per CPU
         self.state_dir = config.home / "runtime" / "container"
         # Our own top-most read-only layer: empty mountpoint directories, so that no sandbox
         # copies up (creates inodes for) /opt/aenv/... or /run/aenv on its create path.
         self.driver_layer = self.state_dir / "layer"
+        # Workspace skeletons made by warm fork-server children, renamed into place on create.
+        self.staging = self.state_dir / "staging"
         self._zygote: _Zygote | None = None
         self._zygote_lock = asyncio.Lock()
         self._live: dict[str, _Live] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._creating: set[str] = set()
         self._host_netns = -1
         self._network_started = False
+        self._network_lock = asyncio.Lock()
         self.last_timings: dict[str, float] = {}  # of the latest create, for benchmarks
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -162,15 +178,24 @@ class ContainerDriver:
                             f"runtime bundle missing at {self.bundle}: run "
                             "`python -m aenv.runtime.pybundle build`")
         await asyncio.to_thread(self.cgroups.ensure_parents)
-        await asyncio.to_thread(self.cgroups.sweep_warm)  # left by a dead fork-server
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.staging.mkdir(exist_ok=True)
+        await asyncio.to_thread(self._sweep_warm, None)  # left by a dead fork-server
         await asyncio.to_thread(self._make_driver_layer)
         # The event loop thread's own network namespace, to switch back to after connect().
         self._host_netns = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         await self._ensure_zygote()
+        # Bridge, firewall and warm network slots get ready in the background (sandboxes
+        # have internet access by default); a failure surfaces at the first create needing it.
+        self._background(self._warm_network())
+
+    async def _warm_network(self) -> None:
+        with contextlib.suppress(AenvError, OSError):
+            await self._ensure_network()
 
     def _make_driver_layer(self) -> None:
         # Modes of merged directories come from the top layer: use the usual 0755.
+        self.driver_layer.mkdir(parents=True, exist_ok=True)
         for rel in (str(self.bundle).lstrip("/"), "run/aenv"):
             path = self.driver_layer
             for part in rel.split("/"):
@@ -179,100 +204,24 @@ class ContainerDriver:
                 path.chmod(0o755)
         self.driver_layer.chmod(0o755)
 
-    async def close(self) -> None:
-        self.writer.close()
-        with contextlib.suppress(Exception):
-            await self.writer.wait_closed()
-        if self.task is not None:
-            with contextlib.suppress(BaseException):
-                await self.task
-        # EOF on its control socket makes the fork-server exit; sandboxes are not its
-        # children in any way that matters (they re-parent to the host's init).
-        try:
-            await asyncio.wait_for(asyncio.to_thread(self.proc.wait), 5)
-        except asyncio.TimeoutError:
-            self.proc.kill()
-            await asyncio.to_thread(self.proc.wait)
-
-
-class ContainerDriver:
-    """The `container` runtime driver. One per server process."""
-
-    name = "container"
-
-    def __init__(
-        self,
-        config: Config,
-        *,
-        bundle: Path = pybundle.BUNDLE_DIR,
-        cgroup_layout: cgroups.CgroupLayout | None = None,
-        network: NetworkPool | None = None,
-        envd_module: str = "aenv.envd.server",
-        extra_python_path: tuple[str, ...] = (),
-        build_bundle: bool = True,
-        create_timeout: float = 30.0,
-        warm_processes: int | None = None,
-    ) -> None:
-        self.config = config
-        self.bundle = bundle
-        self.cgroups = cgroup_layout or cgroups.CgroupLayout()
-        self.network = network or NetworkPool(config.network.bridge, config.network.subnet,
-                                              config.runtime.warm_pool)
-        self.envd_module = envd_module
-        self.extra_python_path = extra_python_path
-        self.build_bundle = build_bundle
-        self.create_timeout = create_timeout
-        # Pre-forked, half-set-up sandbox processes kept by the fork-server (~1 MiB each):
-        # a burst of up to this many creates skips fork, cgroup creation and unsharing.
-        self.warm_processes = (max(16, config.runtime.warm_pool) if warm_processes is None
-                               else warm_processes)
-        self.state_dir = config.home / "runtime" / "container"
-        # Our own top-most read-only layer: empty mountpoint directories, so that no sandbox
-        # copies up (creates inodes for) /opt/aenv/... or /run/aenv on its create path.
-        self.driver_layer = self.state_dir / "layer"
-        self._zygote: _Zygote | None = None
-        self._zygote_lock = asyncio.Lock()
-        self._live: dict[str, _Live] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._host_netns = -1
-        self._network_started = False
-        self.last_timings: dict[str, float] = {}  # of the latest create, for benchmarks
-
-    # -- lifecycle ------------------------------------------------------------------------
-    async def start(self) -> None:
-        if self.build_bundle:
-            # Idempotent and ~1 s when up to date; refreshes the envd code the sandboxes run.
-            await asyncio.to_thread(pybundle.build, self.bundle)
-        if not pybundle.loader_path(self.bundle).exists():
-            raise AenvError(ErrorCode.UNAVAILABLE,
-                            f"runtime bundle missing at {self.bundle}: run "
-                            "`python -m aenv.runtime.pybundle build`")
-        await asyncio.to_thread(self.cgroups.ensure_parents)
-        await asyncio.to_thread(self.cgroups.sweep_warm)  # left by a dead fork-server
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        await asyncio.to_thread(self._make_driver_layer)
-        # The event loop thread's own network namespace, to switch back to after connect().
-        self._host_netns = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-        await self._ensure_zygote()
-
-    def _make_driver_layer(self) -> None:
-        for rel in (str(self.bundle).lstrip("/"), "run/aenv"):
-            path = self.driver_layer / rel
-            path.mkdir(parents=True, exist_ok=True)
-            # Directory modes of a merged dir come from the top layer: keep the usual ones.
-            for parent in [path, *path.parents]:
-                if parent == self.driver_layer or self.driver_layer not in parent.parents:
-                    break
-                parent.chmod(0o700 if parent.name == "aenv" and parent.parent.name == "run"
-                             else 0o755)
-        self.driver_layer.chmod(0o755)
+    def _sweep_warm(self, zygote_pid: int | None) -> None:
+        """Cgroups and staged workspaces of warm children that never became sandboxes: those
+        of `zygote_pid`, or of every fork-server that is gone. Blocking."""
+        self.cgroups.sweep_warm(zygote_pid)
+        for entry in self.staging.glob("warm-*-*"):
+            owner = entry.name.split("-")[1]
+            if not owner.isdigit():
+                continue
+            if (zygote_pid is not None and int(owner) == zygote_pid) or (
+                    zygote_pid is None and not Path(f"/proc/{owner}").exists()):
+                shutil.rmtree(entry, ignore_errors=True)
 
     async def close(self) -> None:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._zygote is not None:
             await self._zygote.close()
-            await asyncio.to_thread(self.cgroups.sweep_warm, self._zygote.pid)
+            await asyncio.to_thread(self._sweep_warm, self._zygote.pid)
             self._zygote = None
         if self._network_started:
             await self.network.close()
@@ -286,9 +235,10 @@ class ContainerDriver:
             self._host_netns = -1
 
     async def _ensure_network(self) -> None:
-        if not self._network_started:
-            await self.network.start()
-            self._network_started = True
+        async with self._network_lock:  # concurrent first creates: set up once
+            if not self._network_started:
+                await self.network.start()
+                self._network_started = True
 
     async def _ensure_zygote(self) -> _Zygote:
         async with self._zygote_lock:
@@ -296,34 +246,28 @@ class ContainerDriver:
                 return self._zygote
             if self._zygote is not None:
                 await self._zygote.close()
-                await asyncio.to_thread(self.cgroups.sweep_warm, self._zygote.pid)
+                await asyncio.to_thread(self._sweep_warm, self._zygote.pid)
             self._zygote = await self._spawn_zygote()
             return self._zygote
 
     async def _spawn_zygote(self) -> _Zygote:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        code = ("import sys; sys.path.insert(0, %r); "
-                "from aenv.runtime.container.zygote import main; main()"
-                % str(self.bundle / pybundle.APP_DIR))
+        app = str(self.bundle / pybundle.APP_DIR)
+        code = (f"import sys; sys.path.insert(0, {app!r}); "
+                "from aenv.runtime.container.zygote import main; main()")
         argv = [*pybundle.python_argv(self.bundle), "-c", code,
                 "--control-fd", str(theirs.fileno()), "--envd-module", self.envd_module]
         if self.extra_python_path:
             argv += ["--extra-path", ":".join(self.extra_python_path)]
-        log = open(self.state_dir / "zygote.log", "ab")
         try:
-            # A new session: the fork-server and its sandboxes survive the server's terminal
-            # and process group going away.
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                    pass_fds=(theirs.fileno(),), start_new_session=True,
-                                    env=pybundle.python_env(), cwd="/")
+            proc = await asyncio.to_thread(self._popen_zygote, argv, theirs.fileno())
         finally:
             theirs.close()
-            log.close()
         reader, writer = await asyncio.open_unix_connection(sock=ours, limit=1 << 20)
         zygote = _Zygote(proc, reader, writer)
         try:
             hello = await asyncio.wait_for(reader.readline(), 60)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             hello = b""
         if not hello or json.loads(hello).get("event") != "hello":
             proc.kill()
@@ -331,10 +275,19 @@ class ContainerDriver:
             tail = (self.state_dir / "zygote.log").read_text(errors="replace")[-2000:]
             raise AenvError(ErrorCode.UNAVAILABLE, f"container fork-server failed: {tail}")
         writer.write(json.dumps({"op": "configure", "warm": self.warm_processes,
-                                 "bundle": str(self.bundle),
-                                 "cgroups": self.cgroups.zygote_config()}).encode() + b"\n")
+                                 "bundle": str(self.bundle), "staging": str(self.staging),
+                                 "cgroups": self.cgroups.zygote_config(),
+                                 "max_setups": self.max_concurrent_setups}).encode() + b"\n")
         zygote.task = asyncio.get_running_loop().create_task(zygote.pump())
         return zygote
+
+    def _popen_zygote(self, argv: list[str], control_fd: int) -> subprocess.Popen[bytes]:
+        with open(self.state_dir / "zygote.log", "ab") as log:
+            # A new session: the fork-server and its sandboxes survive the server's terminal
+            # and process group going away.
+            return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                    pass_fds=(control_fd,), start_new_session=True,
+                                    env=pybundle.python_env(), cwd="/")
 
     # -- sandboxes ------------------------------------------------------------------------
     def _check_spec(self, spec: SandboxSpec) -> None:
@@ -381,15 +334,24 @@ class ContainerDriver:
 
     async def create(self, spec: SandboxSpec) -> RuntimeHandle:
         self._check_spec(spec)
-        if spec.sandbox_id in self._live or self.cgroups.exists(spec.sandbox_id):
-            raise AenvError(ErrorCode.CONFLICT, f"sandbox {spec.sandbox_id} already exists")
+        sid = spec.sandbox_id
+        if sid in self._live or sid in self._creating or self.cgroups.exists(sid):
+            # Checked before anything is made: a failed create cleans up by sandbox id.
+            raise AenvError(ErrorCode.CONFLICT, f"sandbox {sid} already exists")
+        self._creating.add(sid)
+        try:
+            return await self._create(spec)
+        finally:
+            self._creating.discard(sid)
+
+    async def _create(self, spec: SandboxSpec) -> RuntimeHandle:
         t0 = time.monotonic()
+        zygote = await self._ensure_zygote()
         slot = None
         if spec.allow_internet_access:
             await self._ensure_network()
             slot = await self.network.acquire()
         t_slot = time.monotonic() - t0
-        zygote = await self._ensure_zygote()
         request = self._request(spec, str(slot.path) if slot else None,
                                 slot.address if slot else None)
         data: dict[str, Any] = {"workspace": str(spec.workspace), "envd_port": spec.envd_port,
@@ -403,7 +365,7 @@ class ContainerDriver:
             reply = await asyncio.wait_for(asyncio.shield(fut), self.create_timeout)
         except BaseException as exc:
             self._background(self._discard(fut, spec.sandbox_id, data))
-            if isinstance(exc, asyncio.TimeoutError):
+            if isinstance(exc, TimeoutError):
                 raise AenvError(ErrorCode.TIMEOUT,
                                 f"sandbox {spec.sandbox_id} did not start in time") from None
             raise
@@ -489,7 +451,7 @@ class ContainerDriver:
         try:
             await asyncio.wait_for(asyncio.get_running_loop().sock_connect(
                 sock, ("127.0.0.1", port)), 10)
-        except (OSError, asyncio.TimeoutError) as exc:
+        except (OSError, TimeoutError) as exc:
             sock.close()
             if not self._alive(live):
                 raise AenvError(ErrorCode.UNAVAILABLE,
@@ -550,7 +512,6 @@ class ContainerDriver:
         workspace = data.get("workspace")
         if workspace:
             await asyncio.to_thread(shutil.rmtree, workspace, True)
-
 
     async def _kill_cgroup(self, sandbox_id: str, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout

@@ -167,7 +167,8 @@ def set_comm(name: str) -> None:
 def drop_bounding_caps(keep: set[int]) -> None:
     """Remove every capability not in `keep` from the bounding set: programs executed later
     (even setuid root ones) can never gain them."""
-    last = int(open("/proc/sys/kernel/cap_last_cap").read())
+    with open("/proc/sys/kernel/cap_last_cap") as f:
+        last = int(f.read())
     for cap in range(last + 1):
         if cap not in keep:
             prctl(PR_CAPBSET_DROP, cap)

@@ -8,16 +8,21 @@ envds share the interpreter's pages (small idle memory per sandbox).
 Each child is forked into a fresh pid namespace (the zygote unshares CLONE_NEWPID for its
 next child only, then setns()es back), so the child is directly pid 1 of its sandbox and our
 own child: no intermediate process. Children are made ahead of time ("warm"): while idle the
-zygote keeps `warm` children that already did everything not specific to a sandbox (closed
+zygote keeps `warm` children that already did everything not specific to a sandbox: closed
 inherited fds, made and joined a cgroup set `warm-<zygote pid>-<n>` with the device rules,
-unshared mount/uts/ipc/cgroup namespaces, cloned the bundle mount). A request hands one of
-them its spec; the child renames its cgroups to the sandbox id, sets the limits, joins its
-network namespace, mounts the overlay root, pivot_roots, mounts /dev, /proc, /sys and the
-bundle, opens envd's listen socket, reports ready and becomes envd. With no warm child left
-the same happens in a freshly forked one.
+unshared mount/uts/ipc/cgroup (and, unless slots are in use, network) namespaces, dropped the
+capability bounding set, staged a workspace skeleton, and built /dev, /proc and /run/aenv as
+detached mount trees next to a clone of the bundle. A request hands one of them its spec; the
+child renames its cgroup set and staged workspace to the sandbox's, sets the limits, joins its
+network slot, mounts the overlay root, pivot_roots, moves the prepared trees into place,
+mounts /sys, opens envd's listen socket, reports ready and becomes envd (~3 ms of CPU). With
+no warm child left the same happens in a freshly forked one. At most one setup per CPU runs
+at a time, the rest wait in order: under fair scheduling a burst of N concurrent setups would
+all finish together at the end, in order the first ones are ready early.
 
 Protocol with the driver (control socket; one JSON object per line):
-    driver -> zygote: {"op": "configure", "warm": N, "cgroups": {...}}   first, once
+    driver -> zygote: {"op": "configure", "warm": N, "bundle": DIR, "staging": DIR,
+                       "cgroups": {...}, "max_setups": N | null}        first, once
                       {"op": "spawn", "id": N, "spec": {...}}           (see ContainerDriver)
     zygote -> driver: {"event": "hello", "pid": P}                     after preload
                       {"id": N, "ok": true, "pid": HOSTPID, "start_time": TICKS, "t": {...}}
@@ -34,6 +39,8 @@ STDLIB ONLY: this file is copied into the runtime bundle (it never runs on the h
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import gc
 import importlib
 import json
@@ -46,6 +53,7 @@ import stat
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 from aenv.runtime.container import linux
@@ -65,13 +73,14 @@ _DEV_LINKS = (("ptmx", "pts/ptmx"), ("fd", "/proc/self/fd"), ("stdin", "/proc/se
 _PROC_READONLY = ("bus", "fs", "irq", "sys", "sysrq-trigger")
 # Host information in /proc and /sys nobody inside needs: hidden behind /dev/null or tmpfs.
 _PROC_MASKED_FILES = ("kcore", "keys", "latency_stats", "timer_list", "sched_debug")
-_MASKED_DIRS = ("/proc/acpi", "/proc/scsi", "/sys/firmware")
+_PROC_MASKED_DIRS = ("acpi", "scsi")
 
 SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # A small tmpfs inside the sandbox for envd's log: nothing on the host disk is created per
 # sandbox for it (the mountpoint comes from the driver's own lower layer), and the host reads
 # it through /proc/<init pid>/root/run/aenv/envd.log.
 RUN_DIR = "/run/aenv"
+ETC_FILES = ("hostname", "hosts", "resolv.conf")
 ENVD_LOG = RUN_DIR + "/envd.log"
 
 
@@ -81,7 +90,11 @@ def _now() -> float:
 
 def _send_line(fd: int, msg: dict[str, Any]) -> None:
     """Write one JSON line on a blocking or non-blocking stream fd, completely."""
-    view = memoryview((json.dumps(msg) + "\n").encode())
+    _send_all(fd, (json.dumps(msg) + "\n").encode())
+
+
+def _send_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
     while view:
         try:
             n = os.write(fd, view)
@@ -141,9 +154,10 @@ def _write_to(path: str, value: str, required: bool = True) -> None:
         os.close(fd)
 
 
-def _prepare(cfg: dict[str, Any], name: str) -> int:
-    """Everything not specific to a sandbox; done ahead of time by warm children.
-    Returns an fd holding a detached read-only clone of the bundle mount."""
+def _prepare(cfg: dict[str, Any], name: str, own_netns: bool) -> dict[str, int]:
+    """Everything not specific to a sandbox; done ahead of time by warm children. Returns
+    fds of detached mount trees (the bundle, /dev, /proc, /run/aenv) to move into place
+    after pivot_root."""
     os.umask(0o022)
     os.setsid()
     cg = cfg["cgroups"]
@@ -157,22 +171,166 @@ def _prepare(cfg: dict[str, Any], name: str) -> int:
     # an RCU grace period (~7 ms) per write to cgroup.procs.
     for path in paths:
         _write_to(os.path.join(path, "tasks"), "0")
-    # The cgroup namespace's root is this (soon renamed) cgroup set. A fresh network
-    # namespace too: creating one takes the kernel's rtnl lock, so a burst of creates would
-    # queue on it (~4 ms each); a sandbox with internet access trades it for its slot.
+    # The cgroup namespace's root is this (soon renamed) cgroup set.
     linux.unshare(linux.CLONE_NEWCGROUP | linux.CLONE_NEWNS | linux.CLONE_NEWUTS
-                  | linux.CLONE_NEWIPC | linux.CLONE_NEWNET)
-    linux.interface_up("lo")
+                  | linux.CLONE_NEWIPC)
+    if own_netns:
+        # Made now: creating a network namespace takes the kernel's rtnl lock, so a burst of
+        # creates would queue on it (~4 ms each). Sandboxes with internet access use a slot.
+        _new_netns()
     # Nothing mounted from here on may propagate back to the host.
     linux.mount(None, "/", None, linux.MS_REC | linux.MS_PRIVATE)
-    # A detached, read-only clone of the bundle, moved into place after pivot_root: every
-    # mount happens after pivot_root, so a template's symlinks (/opt -> /, ...) resolve inside
-    # the sandbox root and can never redirect a mount or a write onto the host.
-    bundle_fd = linux.open_tree(cfg["bundle"], linux.OPEN_TREE_CLONE | linux.OPEN_TREE_CLOEXEC
-                                | linux.AT_RECURSIVE)
-    linux.mount_setattr_fd(bundle_fd, linux.MOUNT_ATTR_RDONLY | linux.MOUNT_ATTR_NOSUID
+    # Programs the sandbox executes never get more than these (envd itself keeps its caps).
+    linux.drop_bounding_caps(KEEP_CAPS)
+    # Mounts are prepared as detached trees and moved into place after pivot_root: then a
+    # template's symlinks (/opt -> /, ...) resolve inside the sandbox root and can never
+    # redirect a mount or a write onto the host.
+    fds = {"bundle": linux.open_tree(cfg["bundle"], linux.OPEN_TREE_CLONE
+                                     | linux.OPEN_TREE_CLOEXEC | linux.AT_RECURSIVE)}
+    linux.mount_setattr_fd(fds["bundle"], linux.MOUNT_ATTR_RDONLY | linux.MOUNT_ATTR_NOSUID
                            | linux.MOUNT_ATTR_NODEV)
-    return bundle_fd
+    # The workspace skeleton, renamed into place by the request: creating an inode can cost
+    # ~0.3 ms on a busy ext4, and a workspace needs seven.
+    stage = os.path.join(cfg["staging"], name)
+    for d in ("", "upper", "work", "upper/etc"):
+        os.mkdir(os.path.join(stage, d), 0o755)
+    for f in ETC_FILES:
+        os.close(os.open(os.path.join(stage, "upper/etc", f), os.O_WRONLY | os.O_CREAT, 0o644))
+    # /dev, /proc (this is already the sandbox's pid namespace) and envd's /run/aenv, built
+    # on a scratch tmpfs (mounted over our own empty work dir, in our private namespace).
+    scratch = os.path.join(stage, "work")
+    linux.mount("scratch", scratch, "tmpfs", 0, "size=64k")
+    for d in ("dev", "proc", "run"):
+        os.mkdir(os.path.join(scratch, d))
+    _build_dev(os.path.join(scratch, "dev"))
+    _build_proc(os.path.join(scratch, "proc"), os.path.join(scratch, "dev/null"))
+    run = os.path.join(scratch, "run")
+    linux.mount("tmpfs", run, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC,
+                "mode=0700,size=8m")
+    for key in ("dev", "proc", "run"):
+        fds[key] = linux.open_tree(os.path.join(scratch, key), linux.OPEN_TREE_CLONE
+                                   | linux.OPEN_TREE_CLOEXEC | linux.AT_RECURSIVE)
+    # stdio: /dev/null in, envd's log out. Opened through the clones that become the
+    # sandbox's /dev and /run/aenv, so a checkpoint (CRIU) finds them at those paths.
+    null = os.open("null", os.O_RDWR, dir_fd=fds["dev"])
+    log = os.open(os.path.basename(ENVD_LOG), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600,
+                  dir_fd=fds["run"])
+    for fd, targets in ((null, (0,)), (log, (1, 2))):
+        for target in targets:
+            os.dup2(fd, target)
+        os.close(fd)
+    # Python's stdio objects follow fds 1 and 2, now envd's log (they live forever).
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    linux.umount2(scratch, linux.MNT_DETACH)
+    return fds
+
+
+def _build_dev(dev: str) -> None:
+    linux.mount("tmpfs", dev, "tmpfs", linux.MS_NOSUID, "mode=755,size=65536k")
+    old = os.umask(0)
+    try:
+        for name, major, minor in _DEVICES:
+            os.mknod(os.path.join(dev, name), 0o666 | stat.S_IFCHR, os.makedev(major, minor))
+    finally:
+        os.umask(old)
+    for name, target in _DEV_LINKS:
+        os.symlink(target, os.path.join(dev, name))
+    os.mkdir(os.path.join(dev, "pts"), 0o755)
+    linux.mount("devpts", os.path.join(dev, "pts"), "devpts", linux.MS_NOSUID | linux.MS_NOEXEC,
+                "newinstance,ptmxmode=0666,mode=0620,gid=5")
+    os.mkdir(os.path.join(dev, "shm"), 0o1777)
+    # Sized per sandbox at the request (a remount); its pages count in the memory cgroup.
+    linux.mount("shm", os.path.join(dev, "shm"), "tmpfs", linux.MS_NOSUID | linux.MS_NODEV,
+                "mode=1777,size=64m")
+
+
+def _build_proc(proc: str, null: str) -> None:
+    linux.mount("proc", proc, "proc", linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC)
+    for name in _PROC_READONLY:
+        path = os.path.join(proc, name)
+        if os.path.exists(path):
+            _bind_readonly(path)
+    for name in _PROC_MASKED_FILES:
+        path = os.path.join(proc, name)
+        if os.path.exists(path):
+            linux.mount(null, path, None, linux.MS_BIND)
+    for name in _PROC_MASKED_DIRS:
+        path = os.path.join(proc, name)
+        if os.path.isdir(path):
+            linux.mount("tmpfs", path, "tmpfs", linux.MS_RDONLY, "size=0")
+
+
+def _new_netns() -> None:
+    linux.unshare(linux.CLONE_NEWNET)
+    linux.interface_up("lo")
+
+
+def _place_workspace(stage: str, ws: str) -> None:
+    """Move the staged skeleton to the workspace path; build it there if that fails (another
+    filesystem, or a workspace directory that already has content)."""
+    try:
+        os.rename(stage, ws)
+        return
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(ws), exist_ok=True)
+        try:
+            os.rename(stage, ws)
+            return
+        except OSError:
+            pass
+    except OSError:
+        pass
+    for d in ("upper/etc", "work"):
+        os.makedirs(os.path.join(ws, d), 0o755, exist_ok=True)
+    _remove_tree(stage)
+
+
+def _remove_tree(path: str) -> None:
+    for root, dirs, files in os.walk(path, topdown=False):
+        for f in files:
+            os.unlink(os.path.join(root, f))
+        for d in dirs:
+            os.rmdir(os.path.join(root, d))
+    if os.path.isdir(path):
+        os.rmdir(path)
+
+
+def _write_etc(upper: str, spec: dict[str, Any]) -> None:
+    """/etc/hostname, /etc/hosts (and /etc/resolv.conf with internet access) written in the
+    upper layer before mounting: no copy-up at run time. They shadow the template's files
+    whatever those are (a symlink into /run would dangle in a sandbox)."""
+    etc = os.path.join(upper, "etc")
+    for layer in spec["lower"]:
+        try:
+            st = os.lstat(os.path.join(layer, "etc"))
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISDIR(st.st_mode):
+            _remove_tree(etc)  # a template with an unusual /etc: leave it alone
+            return
+        # A merged directory takes its attributes from the upper layer: copy the template's.
+        os.makedirs(etc, exist_ok=True)
+        os.chown(etc, st.st_uid, st.st_gid)
+        os.chmod(etc, stat.S_IMODE(st.st_mode))
+        break
+    else:
+        os.makedirs(etc, 0o755, exist_ok=True)
+    contents = {"hostname": spec["hostname"] + "\n", "hosts": spec["hosts"],
+                "resolv.conf": spec.get("resolv_conf")}
+    for name, content in contents.items():
+        path = os.path.join(etc, name)
+        if content is None:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            continue
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        try:
+            os.write(fd, content.encode())
+        finally:
+            os.close(fd)
 
 
 def _mkdirs(path: str, mode: int = 0o755) -> None:
@@ -189,56 +347,34 @@ def _bind_readonly(path: str) -> None:
                 | linux.MS_NODEV | linux.MS_NOEXEC)
 
 
-def _setup_dev(shm_size_mb: int) -> None:
-    _mkdirs("/dev")
-    linux.mount("tmpfs", "/dev", "tmpfs", linux.MS_NOSUID, "mode=755,size=65536k")
-    old = os.umask(0)
-    try:
-        for name, major, minor in _DEVICES:
-            os.mknod(f"/dev/{name}", 0o666 | stat.S_IFCHR, os.makedev(major, minor))
-    finally:
-        os.umask(old)
-    for name, target in _DEV_LINKS:
-        os.symlink(target, f"/dev/{name}")
-    os.mkdir("/dev/pts", 0o755)
-    linux.mount("devpts", "/dev/pts", "devpts", linux.MS_NOSUID | linux.MS_NOEXEC,
-                "newinstance,ptmxmode=0666,mode=0620,gid=5")
-    os.mkdir("/dev/shm", 0o1777)
-    linux.mount("shm", "/dev/shm", "tmpfs", linux.MS_NOSUID | linux.MS_NODEV,
-                f"mode=1777,size={max(shm_size_mb, 1)}m")
+class StaleMounts(Exception):
+    """A warm child's copy of the host mounts predates a mount the request needs."""
 
 
-def _setup_proc_sys() -> None:
-    _mkdirs("/proc", 0o555)
-    linux.mount("proc", "/proc", "proc", linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC)
-    _mkdirs("/sys", 0o555)
-    linux.mount("sysfs", "/sys", "sysfs",
-                linux.MS_RDONLY | linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC)
-    for name in _PROC_READONLY:
-        if os.path.exists(f"/proc/{name}"):
-            _bind_readonly(f"/proc/{name}")
-    for name in _PROC_MASKED_FILES:
-        if os.path.exists(f"/proc/{name}"):
-            linux.mount("/dev/null", f"/proc/{name}", None, linux.MS_BIND)
-    for path in _MASKED_DIRS:
-        if os.path.isdir(path):
-            linux.mount("tmpfs", path, "tmpfs", linux.MS_RDONLY, "size=0")
-
-
-def _write_file(path: str, content: str) -> None:
-    try:
-        if os.path.islink(path) or os.path.isdir(path):
-            return  # leave a template's deliberate layout alone
-        _mkdirs(os.path.dirname(path))
-        with open(path, "w") as f:
-            f.write(content)
-    except OSError:
-        pass  # cosmetic files; the sandbox works without them
+def _same_as_host(path: str, zygote_pid: int) -> bool:
+    """Whether `path` (or its nearest existing ancestor) is the same file in our mount
+    namespace and in the zygote's (the host's)."""
+    while True:
+        try:
+            mine = os.stat(path)
+            break
+        except FileNotFoundError:
+            parent = os.path.dirname(path)
+            if parent == path:
+                return True
+            path = parent
+    theirs = os.stat(f"/proc/{zygote_pid}/root{path}")
+    return (mine.st_dev, mine.st_ino) == (theirs.st_dev, theirs.st_ino)
 
 
 def _become_sandbox(cfg: dict[str, Any], name: str, spec: dict[str, Any], chan: int,
-                    bundle_fd: int, laps: _Laps) -> socket.socket:
+                    trees: dict[str, int], own_netns: bool, laps: _Laps) -> socket.socket:
     """The sandbox-specific part of the setup, in the child. Returns envd's listen socket."""
+    # A warm child copied the host's mount table when it was made: a layer on a filesystem
+    # mounted since then would silently resolve to the empty directory beneath it.
+    for path in (*spec["lower"], spec["workspace"], cfg["staging"]):
+        if not _same_as_host(path, cfg["zygote_pid"]):
+            raise StaleMounts(path)
     cg = cfg["cgroups"]
     sid = spec["sandbox_id"]
     for ctrl in cg["controllers"]:
@@ -254,11 +390,13 @@ def _become_sandbox(cfg: dict[str, Any], name: str, spec: dict[str, Any], chan: 
             linux.setns(fd, linux.CLONE_NEWNET)
         finally:
             os.close(fd)
+    elif not own_netns:
+        _new_netns()
     laps("netns")
     ws = spec["workspace"]
+    _place_workspace(os.path.join(cfg["staging"], name), ws)
     upper, work = os.path.join(ws, "upper"), os.path.join(ws, "work")
-    for d in (upper, work):
-        os.makedirs(d, 0o755, exist_ok=True)
+    _write_etc(upper, spec)
     # Mounted over the workspace directory itself: any directory of our private mount
     # namespace will do as the future root, and this one costs no extra inode.
     lower = ":".join(spec["lower"])
@@ -269,32 +407,21 @@ def _become_sandbox(cfg: dict[str, Any], name: str, spec: dict[str, Any], chan: 
     linux.umount2(".", linux.MNT_DETACH)  # the host root, stacked on top by pivot_root
     os.chdir("/")
     laps("pivot")
-    _setup_dev(int(spec["memory_mb"]))
-    _setup_proc_sys()
-    _mkdirs(cfg["bundle"])  # normally present in the driver's layer: no copy-up
-    linux.move_mount_fd(bundle_fd, cfg["bundle"])
-    os.close(bundle_fd)
+    for key, path in (("dev", "/dev"), ("proc", "/proc"), ("run", RUN_DIR),
+                      ("bundle", cfg["bundle"])):
+        _mkdirs(path)  # normally present (template, driver layer): no copy-up
+        linux.move_mount_fd(trees[key], path)
+        os.close(trees[key])
+    linux.mount(None, "/dev/shm", None, linux.MS_REMOUNT | linux.MS_NOSUID | linux.MS_NODEV,
+                f"mode=1777,size={int(spec['memory_mb'])}m")
+    # sysfs shows the network namespace of whoever mounts it: only now is ours final.
+    _mkdirs("/sys", 0o555)
+    linux.mount("sysfs", "/sys", "sysfs",
+                linux.MS_RDONLY | linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC)
+    if os.path.isdir("/sys/firmware"):
+        linux.mount("tmpfs", "/sys/firmware", "tmpfs", linux.MS_RDONLY, "size=0")
     laps("mounts")
     linux.sethostname(spec["hostname"])
-    _write_file("/etc/hostname", spec["hostname"] + "\n")
-    _write_file("/etc/hosts", spec["hosts"])
-    if spec.get("resolv_conf"):
-        _write_file("/etc/resolv.conf", spec["resolv_conf"])
-    laps("etc")
-    linux.drop_bounding_caps(KEEP_CAPS)
-    # stdio: /dev/null in, envd's log out. Both live inside the sandbox, so a checkpoint
-    # (CRIU) finds them at the same paths.
-    null = os.open("/dev/null", os.O_RDWR)
-    os.dup2(null, 0)
-    try:
-        _mkdirs(RUN_DIR, 0o700)
-        linux.mount("tmpfs", RUN_DIR, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV
-                    | linux.MS_NOEXEC, "mode=0700,size=8m")
-        log = os.open(ENVD_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    except OSError:
-        log = null
-    os.dup2(log, 1)
-    os.dup2(log, 2)
     listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listen.bind((spec["envd"]["host"], int(spec["envd"]["port"])))
@@ -305,7 +432,16 @@ def _become_sandbox(cfg: dict[str, Any], name: str, spec: dict[str, Any], chan: 
     return listen
 
 
-def _child(cfg: dict[str, Any], name: str, chan: int, spec_line: bytes | None) -> None:
+@dataclasses.dataclass(frozen=True)
+class Envd:
+    """envd's entry points, imported once by the zygote before any fork."""
+
+    settings: Callable[..., Any]  # aenv.envd.settings.EnvdSettings
+    run: Callable[..., None]  # aenv.envd.server.run(settings, listen_socket=...)
+
+
+def _child(cfg: dict[str, Any], envd: Envd, name: str, chan: int,
+           spec_line: bytes | None, own_netns: bool) -> None:
     """Body of every forked child. Never returns."""
     code = 1
     try:
@@ -314,7 +450,7 @@ def _child(cfg: dict[str, Any], name: str, chan: int, spec_line: bytes | None) -
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         os.set_blocking(chan, True)
-        bundle_fd = _prepare(cfg, name)
+        trees = _prepare(cfg, name, own_netns)
         laps("prepare")
         if spec_line is None:
             spec_line = _read_line(chan)  # warm: wait here until a request comes
@@ -323,19 +459,19 @@ def _child(cfg: dict[str, Any], name: str, chan: int, spec_line: bytes | None) -
                 return  # the zygote went away
             laps = _Laps()  # time the request, not the idle wait
         spec = json.loads(spec_line)
-        listen = _become_sandbox(cfg, name, spec, chan, bundle_fd, laps)
-        sys.stdout = open(1, "w", buffering=1, closefd=False)
-        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        listen = _become_sandbox(cfg, name, spec, chan, trees, own_netns, laps)
         os.environ.clear()
         os.environ.update({"PATH": SANDBOX_PATH, "HOME": "/root"})
-        settings = _settings_cls(**spec["envd"])
+        settings = envd.settings(**spec["envd"])
         # The kernel queues connections on a listening socket, so envd is reachable now,
         # even though its event loop starts a few milliseconds later.
         _send_line(chan, {"ready": True, "t0": laps.marks[0][1], "laps": laps.report()})
         os.close(chan)
         linux.set_comm("envd")
-        _envd_run(settings, listen_socket=listen)
+        envd.run(settings, listen_socket=listen)
         code = 0
+    except StaleMounts:
+        _send_line(chan, {"stale": True})  # nothing done yet: the zygote retries cold
     except BaseException as exc:  # noqa: BLE001 - report anything to the zygote
         try:
             tb = traceback.format_exception_only(type(exc), exc)[-1].strip()
@@ -349,16 +485,17 @@ def _child(cfg: dict[str, Any], name: str, chan: int, spec_line: bytes | None) -
 # ---------------------------------------------------------------------------------------
 # The fork-server
 
-_settings_cls: Any = None
-_envd_run: Any = None
-
 
 class _Kid:
     """A forked child, warm (no spec yet) or working on a request."""
 
-    __slots__ = ("pid", "start_time", "chan", "buf", "req_id", "t0", "times")
+    __slots__ = ("buf", "chan", "has_slot", "name", "pid", "req_id", "spec", "start_time", "t0",
+                 "times")
 
-    def __init__(self, pid: int, chan: int) -> None:
+    def __init__(self, pid: int, chan: int, name: str) -> None:
+        self.spec: bytes = b""
+        self.has_slot = False
+        self.name = name  # its cgroup set until a request renames it to the sandbox id
         self.pid = pid
         self.start_time = linux.proc_start_time(pid)
         self.chan = chan
@@ -369,8 +506,11 @@ class _Kid:
 
 
 class Zygote:
-    def __init__(self, ctl: int) -> None:
+    """The fork-server's state and event loop (one per process)."""
+
+    def __init__(self, ctl: int, envd: Envd) -> None:
         self.ctl = ctl
+        self.envd = envd
         self.cfg: dict[str, Any] = {}
         self.warm_target = 0
         self.warm: list[_Kid] = []
@@ -381,8 +521,16 @@ class Zygote:
         self.counter = 0
         self.failures = 0  # consecutive warm children that died before their request
         self.last_error = ""
+        self.retired: dict[int, str] = {}  # pid -> cgroup set of children that never served
+        self.exited: set[int] = set()  # reaped before their channel was read to the end
+        # Requests beyond `max_setups` wait here, first come first served. With the CPU
+        # shared fairly, N concurrent setups would all finish together at the end of a
+        # burst; a few at a time, the first sandboxes are ready after a few milliseconds.
+        self.queue: collections.deque[tuple[int, bytes, float, bool]] = collections.deque()
+        self.max_setups = max(1, len(os.sched_getaffinity(0)))
+        self.expect_slot = False
 
-    def fork(self, spec_line: bytes | None) -> _Kid:
+    def fork(self, spec_line: bytes | None, own_netns: bool) -> _Kid:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.counter += 1
         name = f"warm-{os.getpid()}-{self.counter}"
@@ -395,14 +543,14 @@ class Zygote:
             pid = os.fork()
             if pid == 0:
                 chan = theirs.detach()
-                _child(self.cfg, name, chan, spec_line)  # never returns
+                _child(self.cfg, self.envd, name, chan, spec_line, own_netns)  # no return
         finally:
             if pid != 0:
                 linux.setns(self.own_pidns, linux.CLONE_NEWPID)
         theirs.close()
         chan = ours.detach()
         os.set_blocking(chan, False)
-        kid = _Kid(pid, chan)
+        kid = _Kid(pid, chan, name)
         self.by_chan[chan] = kid
         self.sel.register(chan, selectors.EVENT_READ, None)
         return kid
@@ -412,25 +560,65 @@ class Zygote:
         os.close(kid.chan)
         self.by_chan.pop(kid.chan, None)
         self.busy.pop(kid.chan, None)
+        self.exited.discard(kid.pid)
         if kid in self.warm:
             self.warm.remove(kid)
 
+    def retire(self, kid: _Kid) -> None:
+        """Drop a child that did not become a sandbox; its warm cgroup set goes once it has
+        exited (a no-op if it got as far as renaming the set to a sandbox id)."""
+        exited = kid.pid in self.exited
+        self.drop(kid)
+        if exited:
+            self.rm_cgroups(kid.name)
+        else:
+            self.retired[kid.pid] = kid.name
+
+    def reaped(self, pid: int) -> None:
+        name = self.retired.pop(pid, None)
+        if name is not None:
+            self.rm_cgroups(name)
+        elif pid in {k.pid for k in self.by_chan.values()}:
+            self.exited.add(pid)  # its last words are still in its channel
+
+    def rm_cgroups(self, name: str) -> None:
+        try:
+            _remove_tree(os.path.join(self.cfg["staging"], name))
+        except OSError:
+            pass  # renamed into a workspace, or the driver's sweep gets it later
+        cg = self.cfg["cgroups"]
+        for ctrl in cg["controllers"]:
+            try:
+                os.rmdir(os.path.join(cg["root"], ctrl, cg["parent"], name))
+            except OSError:
+                pass  # never made, renamed, or the driver's sweep gets it later
+
     def spawn(self, req_id: int, spec: dict[str, Any]) -> None:
         t0 = _now()
+        # Warm children to come make their own network namespace only if the latest request
+        # did not bring a slot: a namespace made for nothing costs its teardown too.
+        self.expect_slot = bool(spec.get("netns"))
         if spec.get("netns"):
             # Warm children copied the host's mounts before this slot's nsfs bind mount
             # existed: let them open it through our (the host's) mount namespace.
             spec["netns"] = f"/proc/{os.getpid()}/root{spec['netns']}"
-        line = (json.dumps(spec) + "\n").encode()
-        if self.warm:
+        self.queue.append((req_id, (json.dumps(spec) + "\n").encode(), t0, self.expect_slot))
+        self.dispatch()
+
+    def dispatch(self) -> None:
+        while self.queue and len(self.busy) < self.max_setups:
+            req_id, line, t0, has_slot = self.queue.popleft()
+            self.hand_over(req_id, line, t0, has_slot, allow_warm=True)
+
+    def hand_over(self, req_id: int, line: bytes, t0: float, has_slot: bool,
+                  allow_warm: bool) -> None:
+        if self.warm and allow_warm:
             kid = self.warm.pop(0)
-            _send_line(kid.chan, spec)
-            kind = "warm"
+            _send_all(kid.chan, line)
         else:
-            kid = self.fork(line)
-            kind = "cold"
-        kid.req_id, kid.t0 = req_id, t0
-        kid.times = {"handoff": _now() - t0, "warm": 1.0 if kind == "warm" else 0.0}
+            kid = self.fork(line, own_netns=not has_slot)
+        kid.req_id, kid.t0, kid.spec, kid.has_slot = req_id, t0, line, has_slot
+        kid.times = {"queued": _now() - t0, "warm": 1.0 if allow_warm else 0.0}
         self.busy[kid.chan] = kid
         if kid.start_time is None:
             self.finish(kid, "sandbox init exited during setup")
@@ -441,13 +629,17 @@ class Zygote:
             if error is None:
                 _send_line(self.ctl, {"id": kid.req_id, "ok": True, "pid": kid.pid,
                                       "start_time": kid.start_time, "t": kid.times})
+                self.drop(kid)
             else:
                 _send_line(self.ctl, {"id": kid.req_id, "ok": False, "error": error,
                                       "pid": kid.pid})
-        elif error is not None:
-            self.failures += 1
-            self.last_error = error
-        self.drop(kid)
+                self.retire(kid)
+            self.dispatch()
+        else:
+            if error is not None:
+                self.failures += 1
+                self.last_error = error
+            self.retire(kid)
 
     def on_kid(self, kid: _Kid) -> None:
         try:
@@ -460,6 +652,16 @@ class Zygote:
         while b"\n" in kid.buf:
             line, kid.buf = kid.buf.split(b"\n", 1)
             msg = json.loads(line)
+            if msg.get("stale") and kid.req_id is not None:
+                # The host mounted something since the warm pool was made: retry in a fresh
+                # child, and renew the whole pool.
+                req_id, line, t0, has_slot = kid.req_id, kid.spec, kid.t0, kid.has_slot
+                kid.req_id = None
+                self.retire(kid)
+                for old in list(self.warm):
+                    self.retire(old)  # EOF makes them exit
+                self.hand_over(req_id, line, t0, has_slot, allow_warm=False)
+                return
             if "error" in msg:
                 self.finish(kid, str(msg["error"]))
                 return
@@ -479,8 +681,9 @@ class Zygote:
             req = json.loads(line)
             op = req.get("op")
             if op == "configure":
-                self.cfg = req
+                self.cfg = {**req, "zygote_pid": os.getpid()}
                 self.warm_target = int(req.get("warm", 0))
+                self.max_setups = int(req.get("max_setups") or self.max_setups)
             elif op == "spawn":
                 try:
                     self.spawn(int(req["id"]), req["spec"])
@@ -507,7 +710,7 @@ class Zygote:
             # Refill the warm pool only while no sandbox is being set up: during a burst the
             # CPU goes to the requests, the pool catches up afterwards.
             refill = bool(self.cfg) and len(self.warm) < self.warm_target and not self.busy \
-                and self.failures < 3
+                and not self.queue and self.failures < 3
             for key, _ in self.sel.select(0 if refill else None):
                 fd = key.fd
                 if fd == sig_r:
@@ -523,6 +726,7 @@ class Zygote:
                             break
                         if pid == 0:
                             break
+                        self.reaped(pid)
                 elif fd == self.ctl:
                     try:
                         data = os.read(self.ctl, 1 << 16)
@@ -534,22 +738,19 @@ class Zygote:
                 elif fd in self.by_chan:
                     self.on_kid(self.by_chan[fd])
             if refill and not self.busy:
-                self.warm.append(self.fork(None))
+                self.warm.append(self.fork(None, own_netns=not self.expect_slot))
 
 
 def serve(ctl: int, envd_module: str) -> None:
-    global _settings_cls, _envd_run
     server = importlib.import_module(envd_module)
     preload = getattr(server, "preload", None)
     if preload is not None:
         preload()
     from aenv.envd.settings import EnvdSettings
 
-    _settings_cls = EnvdSettings
-    _envd_run = server.run
     gc.collect()
     gc.freeze()  # objects from preload are never scanned again: their pages stay shared
-    Zygote(ctl).serve()
+    Zygote(ctl, Envd(EnvdSettings, server.run)).serve()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -560,7 +761,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.path.insert(0, extra)
     try:
         serve(ctl, opts.get("--envd-module", "aenv.envd.server"))
-    except BaseException:  # noqa: BLE001
+    except BaseException:
         traceback.print_exc()
         raise
     finally:
