@@ -93,13 +93,18 @@ def layer_cache() -> Path:
     return Path(os.environ.get("AENV_TEST_LAYER_CACHE", "/var/cache/aenv-test/layers"))
 
 
-def prepare_home(prefix: str = "aenv-test-") -> Path:
-    """A fresh AENV_HOME whose base layer is linked from a per-machine cache (built once),
-    so that tests and benchmarks do not each pay for a debootstrap."""
+def base_layer() -> Path:
+    """The base template layer, built once per machine into the test layer cache."""
     from aenv.images.base import build_base_layer
 
     cache = layer_cache()
-    base = build_base_layer(cache, cache.parent / "cache")
+    return build_base_layer(cache, cache.parent / "cache")
+
+
+def prepare_home(prefix: str = "aenv-test-") -> Path:
+    """A fresh AENV_HOME whose base layer is linked from a per-machine cache (built once),
+    so that tests and benchmarks do not each pay for a debootstrap."""
+    base = base_layer()
     home = Path(tempfile.mkdtemp(prefix=prefix))
     (home / "layers").mkdir()
     (home / "layers" / base.name).symlink_to(base)

@@ -1,8 +1,8 @@
 """Fixtures for the container runtime suite: real namespaces, cgroups and overlayfs.
 
-The root filesystem layer comes from $AENV_TEST_ROOTFS (default /tmp/dbs/root, a debootstrap'd
-Debian); the suite is skipped when it is missing or when not running as root. Every sandbox,
-cgroup, network slot and workspace a test makes is removed at the end.
+The root filesystem layer is the base template (`aenv.devserver.base_layer`, built once per
+machine), or $AENV_TEST_ROOTFS when set. Every sandbox, cgroup, network slot and workspace a
+test makes is removed at the end.
 """
 
 from __future__ import annotations
@@ -18,21 +18,19 @@ import pytest
 from runtime_helpers import new_id
 
 from aenv.config import Config
+from aenv.devserver import base_layer
 from aenv.runtime.base import RuntimeHandle, SandboxSpec
 from aenv.runtime.container.driver import ContainerDriver
-
-ROOTFS = Path(os.environ.get("AENV_TEST_ROOTFS", "/tmp/dbs/root"))
 
 CreateFn = Callable[..., Awaitable[RuntimeHandle]]
 
 
 @pytest.fixture(scope="session")
 def rootfs() -> Path:
-    if os.geteuid() != 0:
-        pytest.skip("the container runtime needs root (namespaces, cgroups, mounts)")
-    if not (ROOTFS / "bin").exists():
-        pytest.skip(f"no root filesystem layer at {ROOTFS} (set AENV_TEST_ROOTFS)")
-    return ROOTFS
+    assert os.geteuid() == 0, "the container runtime suite needs root (namespaces, cgroups, mounts)"
+    if "AENV_TEST_ROOTFS" in os.environ:
+        return Path(os.environ["AENV_TEST_ROOTFS"])
+    return base_layer()
 
 
 @pytest.fixture(scope="session")

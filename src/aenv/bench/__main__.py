@@ -1,10 +1,20 @@
-"""`make bench`: run every benchmark against a fresh server and print the results."""
+"""`make bench`: every benchmark, each against fresh state, printed with medians and p99."""
 
 from __future__ import annotations
 
 import sys
 
-from aenv.bench.sdk_bench import main
+from aenv.bench import runtime_bench, sdk_bench
+
+
+def main() -> int:
+    sdk_bench.main()
+    print()
+    runtime_bench.main([])
+    print()
+    runtime_bench.main(["--internet"])
+    return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

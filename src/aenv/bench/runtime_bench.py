@@ -186,8 +186,8 @@ async def main_async(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m aenv.bench.runtime_bench")
-    parser.add_argument("--rootfs", type=Path,
-                        default=Path(os.environ.get("AENV_TEST_ROOTFS", "/tmp/dbs/root")))
+    parser.add_argument("--rootfs", type=Path, default=None,
+                        help="lower layer (default: the cached base template layer)")
     parser.add_argument("--sequential", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--idle", type=int, default=30)
@@ -197,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="network slots kept ready (default: config runtime.warm_pool)")
     parser.add_argument("-v", "--verbose", action="store_true", help="print every burst")
     args = parser.parse_args(argv)
+    if args.rootfs is None:
+        from aenv.devserver import base_layer
+        args.rootfs = base_layer()
     asyncio.run(main_async(args))
     return 0
 

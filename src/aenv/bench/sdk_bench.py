@@ -26,6 +26,35 @@ def mem_available() -> int:
     raise RuntimeError("no MemAvailable in /proc/meminfo")
 
 
+def raw_http_burst(server: ServerProcess, rounds: int = 3, size: int = 16) -> list[float]:
+    """16 concurrent `POST /v2/sandboxes` from one asyncio client. The E2B SDK's client is
+    heavy (16 threads of it share the GIL and the same 2 cores as the server), so this shows
+    what the server itself takes: it answers 201 only once envd accepts requests."""
+    import asyncio
+
+    import httpx
+
+    async def burst() -> list[float]:
+        headers = {"X-API-Key": server.api_key}
+        limits = httpx.Limits(max_connections=size)
+        async with httpx.AsyncClient(base_url=server.url, headers=headers, limits=limits,
+                                     timeout=60) as http:
+            async def one() -> tuple[float, str]:
+                t = time.perf_counter()
+                resp = await http.post("/v2/sandboxes", json={"templateID": "base"})
+                resp.raise_for_status()
+                return time.perf_counter() - t, str(resp.json()["sandboxID"])
+
+            out: list[float] = []
+            for _ in range(rounds):
+                results = await asyncio.gather(*[one() for _ in range(size)])
+                out.extend(dt for dt, _ in results)
+                await asyncio.gather(*[http.delete(f"/sandboxes/{sid}") for _, sid in results])
+            return out
+
+    return asyncio.run(burst())
+
+
 def run(server: ServerProcess) -> list[str]:
     from e2b import Sandbox
 
@@ -55,6 +84,7 @@ def run(server: ServerProcess) -> list[str]:
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(lambda r: r[1].kill(), results))
     lines.append(summarize("create -> envd ready, 16 concurrent", conc).line())
+    lines.append(summarize("  same, raw HTTP client (no SDK client CPU)", raw_http_burst(server)).line())
 
     sbx = Sandbox.create()
     for _ in range(20):

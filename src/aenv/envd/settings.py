@@ -20,4 +20,4 @@ class EnvdSettings:
     default_workdir: str | None = None  # None: the user's home
     is_init: bool = True  # PID 1 of its pid namespace: also reap orphaned processes
     # Where file metadata goes on filesystems without user xattrs (None: not persisted there).
-    metadata_dir: str | None = "/run/aenv-envd/metadata"
+    metadata_dir: str | None = "/run/aenv/envd-metadata"

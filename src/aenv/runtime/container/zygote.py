@@ -742,6 +742,9 @@ class Zygote:
 
 
 def serve(ctl: int, envd_module: str) -> None:
+    from aenv.envd.lean import block_ssl
+
+    block_ssl()  # envd never speaks TLS; OpenSSL would cost every sandbox ~1.3 MiB private
     server = importlib.import_module(envd_module)
     preload = getattr(server, "preload", None)
     if preload is not None:
