@@ -11,9 +11,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from aenv.errors import invalid
 
@@ -52,6 +53,9 @@ class RuntimeConfig:
     # A burst of up to this many creates finds everything prepared ahead of time:
     warm_pool: int = 16  # network slots (netns + veth) for sandboxes with internet access
     warm_processes: int = 16  # half-set-up sandbox processes kept by the fork-server
+    # Fully started idle sandboxes of the default template's shape (0: none); a matching
+    # create only claims one (identity, limits, envd /init). Refilled while the node is idle.
+    ready_pool: int = 16
 
 
 @dataclass

@@ -16,7 +16,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Self
 
 
 def free_port() -> int:
@@ -44,13 +44,14 @@ class ServerProcess:
         return {"E2B_API_KEY": self.api_key, "E2B_API_URL": self.url,
                 "E2B_SANDBOX_URL": self.url, "NO_PROXY": "127.0.0.1,localhost"}
 
-    def start(self, ready_timeout: float = 900.0, show_output: bool = False) -> ServerProcess:
+    def start(self, ready_timeout: float = 900.0, show_output: bool = False) -> Self:
         env = {**os.environ, "AENV_HOME": str(self.home), "AENV_API_KEY": self.api_key,
                **self.extra_env}
         self.home.mkdir(parents=True, exist_ok=True)
         out: int | IO[bytes] | None = None
         if not show_output:
-            self._log = open(self.log_path or self.home / "server.log", "ab")
+            # kept open for the server's lifetime, closed by stop()
+            self._log = open(self.log_path or self.home / "server.log", "ab")  # noqa: SIM115
             out = self._log
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "aenv.cli.main", "serve", "--listen", f"127.0.0.1:{self.port}"],
@@ -82,7 +83,7 @@ class ServerProcess:
             self._log.close()
             self._log = None
 
-    def __enter__(self) -> ServerProcess:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *_: object) -> None:

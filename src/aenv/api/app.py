@@ -11,8 +11,8 @@ import asyncio
 import contextlib
 import hmac
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException

@@ -18,8 +18,9 @@ import hashlib
 import json
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import parse_qsl
 
 from starlette.types import Message, Receive, Scope, Send

@@ -110,7 +110,7 @@ class SandboxRoutes:
         started_after = None
         if q.get("startedAfter"):
             try:
-                started_after = datetime.fromisoformat(q["startedAfter"].replace("Z", "+00:00"))
+                started_after = datetime.fromisoformat(q["startedAfter"])
             except ValueError:
                 raise invalid("startedAfter must be an RFC 3339 timestamp") from None
         order = q.get("order", "desc")

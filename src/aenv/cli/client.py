@@ -6,9 +6,10 @@ import base64
 import json
 import os
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 
@@ -114,9 +115,8 @@ class Client:
                    "Content-Type": "application/connect+json", "Connect-Protocol-Version": "1"}
         if timeout_ms:
             headers["Connect-Timeout-Ms"] = str(timeout_ms)
-        with httpx.Client(base_url=self.url, timeout=None) as http:
-            with http.stream("POST", f"/{method}", content=_envelope(message),
-                             headers=headers) as resp:
+        with httpx.Client(base_url=self.url, timeout=None) as http, \
+                http.stream("POST", f"/{method}", content=_envelope(message), headers=headers) as resp:
                 if resp.status_code != 200:
                     raise ApiError(resp.status_code, resp.read().decode(errors="replace"))
                 buf = b""

@@ -8,8 +8,9 @@ import json
 import os
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from aenv.cli.client import ApiError, Client, save_credentials
 from aenv.cli.output import emit

@@ -586,15 +586,8 @@ def _fast_spawn(
         )
     finally:
         os.close(report_w)
-    try:
-        report = _read_all(report_r)
-    finally:
-        os.close(report_r)
+    report = _failure_report(pid, report_r)
     if report:
-        try:
-            os.waitpid(pid, 0)
-        except ChildProcessError:
-            pass
         # "OSError:<hex errno>:<where>", as subprocess reads it
         _, _, rest = report.decode("utf-8", "replace").partition(":")
         hex_errno, _, where = rest.partition(":")
@@ -608,6 +601,21 @@ def _fast_spawn(
             raise SpawnError(f"{reason}")
         raise SpawnError(f"exec {executable}: {reason}")
     return pid
+
+
+def _failure_report(pid: int, report_r: int) -> bytes:
+    """What a child wrote to the close-on-exec report pipe before dying (empty: exec worked).
+    A child that failed is reaped here, since no one else knows about it."""
+    try:
+        report = _read_all(report_r)
+    finally:
+        os.close(report_r)
+    if report:
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+    return report
 
 
 def _read_all(fd: int) -> bytes:
@@ -670,15 +678,8 @@ def _fork_exec(
                 os._exit(127)
         os._exit(127)
     os.close(report_w)
-    try:
-        report = _read_all(report_r)
-    finally:
-        os.close(report_r)
+    report = _failure_report(pid, report_r)
     if report:
-        try:
-            os.waitpid(pid, 0)
-        except ChildProcessError:
-            pass
         raise SpawnError(report.decode("utf-8", "replace"))
     return pid
 

@@ -88,6 +88,16 @@ async def pump(subscriber: Subscriber, stream: ServerStream, keepalive: float) -
         await stream.send({"event": {"data": {kind: b64(payload)}}})
 
 
+async def follow(process: Process, stream: ServerStream, keepalive: float) -> None:
+    """A process stream: its `start` event first (flushed at once), then its events to the end."""
+    subscriber = process.subscribe()
+    try:
+        await stream.send({"event": {"start": {"pid": process.pid}}})
+        await pump(subscriber, stream, keepalive)
+    finally:
+        subscriber.close()
+
+
 def _selector(message: Msg) -> tuple[int | None, str | None]:
     selector = get_msg(message, "process")
     if has(selector, "pid"):
@@ -174,12 +184,7 @@ class ProcessService:
             raise invalid(f"error starting process '{' '.join([cmd, *args])[:200]}': {e}") from None
         except OSError as e:
             raise RpcError("internal", f"error starting process: {e.strerror}") from None
-        subscriber = process.subscribe()
-        try:
-            await stream.send({"event": {"start": {"pid": process.pid}}})
-            await pump(subscriber, stream, call.keepalive)
-        finally:
-            subscriber.close()
+        await follow(process, stream, call.keepalive)
 
     async def connect(self, call: Call, message: Msg, stream: ServerStream) -> None:
         pid, tag = _selector(message)
@@ -195,12 +200,7 @@ class ProcessService:
             await stream.send({"event": {"end": end}})
             return
         # The Connect deadline bounds this stream only; the process keeps running.
-        subscriber = process.subscribe()
-        try:
-            await stream.send({"event": {"start": {"pid": process.pid}}})
-            await pump(subscriber, stream, call.keepalive)
-        finally:
-            subscriber.close()
+        await follow(process, stream, call.keepalive)
 
     async def list(self, call: Call, message: Msg) -> Msg:
         processes = [p.info() for p in self.app.supervisor.processes.values() if p.end is None]

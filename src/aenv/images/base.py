@@ -88,7 +88,7 @@ def build_base_layer(layers_dir: Path, cache_dir: Path, show_progress: bool = Tr
 
 
 def _chroot(root: Path, *args: str) -> None:
-    res = subprocess.run(["chroot", str(root), *args], capture_output=True, text=True)
+    res = subprocess.run(["chroot", str(root), *args], capture_output=True, text=True, check=False)
     if res.returncode != 0:
         raise AenvError(ErrorCode.INTERNAL, f"{' '.join(args)} failed in the base layer: {res.stderr}")
 

@@ -12,9 +12,9 @@ import base64
 import json
 import logging
 import socket
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
-from typing import Awaitable, Callable
 
 from aenv.config import Config
 from aenv.errors import AenvError, ErrorCode, invalid, not_found

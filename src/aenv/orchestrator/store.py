@@ -9,9 +9,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import sqlite3
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from aenv.orchestrator.models import SandboxRecord, SandboxState, TemplateRecord
 

@@ -31,6 +31,29 @@ class SandboxSpec:
     envd_port: int = 49983
 
 
+@dataclass(frozen=True)
+class ReadyShape:
+    """A sandbox shape a driver may keep fully started ahead of time (a "ready pool"): a
+    create whose spec has the same layers, memory, network mode and envd port only claims
+    one. The cpu and pids limits of the claim are applied if they differ."""
+
+    lower_layers: tuple[Path, ...]
+    cpu_count: int
+    memory_mb: int
+    pids_max: int
+    allow_internet_access: bool = True
+    envd_port: int = 49983
+    default_user: str = "user"
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        return (self.lower_layers, self.memory_mb, self.allow_internet_access, self.envd_port)
+
+    @staticmethod
+    def key_of(spec: SandboxSpec) -> tuple[Any, ...]:
+        return (spec.lower_layers, spec.memory_mb, spec.allow_internet_access, spec.envd_port)
+
+
 @dataclass
 class RuntimeHandle:
     """A driver's reference to a live sandbox. JSON-serialisable (`data`), stored by the
