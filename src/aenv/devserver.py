@@ -84,6 +84,8 @@ class ServerProcess:
             self._log = None
 
     def __enter__(self) -> Self:
+        if self.proc is not None and self.proc.poll() is None:
+            return self  # `with server.start(...):` already started it
         return self.start()
 
     def __exit__(self, *_: object) -> None:

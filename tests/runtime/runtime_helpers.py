@@ -62,7 +62,7 @@ class Result:
 
 
 async def run(driver: ContainerDriver, handle: RuntimeHandle, cmd: str, user: str = "root",
-              timeout: float = 60) -> Result:
+              timeout: float = 60, token: str | None = None) -> Result:
     """Run `bash -c cmd` through envd's process service; wait for it to end."""
     message = json.dumps({"process": {"cmd": "/bin/bash", "args": ["-c", cmd]},
                           "stdin": False}).encode()
@@ -71,6 +71,7 @@ async def run(driver: ContainerDriver, handle: RuntimeHandle, cmd: str, user: st
     status, _, body = await http(driver, handle, "POST", "/process.Process/Start", frame, {
         "Content-Type": "application/connect+json", "Connect-Protocol-Version": "1",
         "Authorization": f"Basic {auth}", "Connect-Timeout-Ms": str(int(timeout * 1000)),
+        **({"X-Access-Token": token} if token else {}),
     }, timeout=timeout + 10)
     assert status == 200, (status, body[:500])
     out, err, code = b"", b"", None

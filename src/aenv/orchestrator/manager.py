@@ -27,7 +27,13 @@ from aenv.orchestrator.models import (
     TemplateRecord,
 )
 from aenv.orchestrator.store import Store
-from aenv.runtime.base import ResourceUsage, RuntimeDriver, RuntimeHandle, SandboxSpec
+from aenv.runtime.base import (
+    ReadyShape,
+    ResourceUsage,
+    RuntimeDriver,
+    RuntimeHandle,
+    SandboxSpec,
+)
 from aenv.storage.layout import Layout
 
 log = logging.getLogger("aenv.orchestrator")
@@ -58,9 +64,23 @@ class SandboxManager:
         if self._ensure_templates is not None:
             await self._ensure_templates()
         await self.driver.start()
+        self._configure_ready_pool()
         for rec in list(self.store.iter_sandboxes()):
             await self._reattach(rec)
         self._sweeper = asyncio.create_task(self._sweep_forever(), name="aenv-ttl-sweeper")
+
+    def _configure_ready_pool(self) -> None:
+        """Drivers with a ready pool keep sandboxes of the default template's shape started
+        (with internet access, the API's default), exactly as `create()` would ask for."""
+        set_shapes = getattr(self.driver, "set_ready_shapes", None)
+        tpl = self.store.find_template(self.config.sandbox.template)
+        if set_shapes is None or tpl is None:
+            return
+        set_shapes([ReadyShape(
+            lower_layers=tuple(self.layout.layer(layer) for layer in tpl.layers),
+            cpu_count=tpl.cpu_count, memory_mb=tpl.memory_mb,
+            pids_max=self.config.sandbox.pids_max, allow_internet_access=True,
+            envd_port=self.config.sandbox.envd_port, default_user=tpl.default_user)])
 
     async def close(self) -> None:
         if self._sweeper is not None:

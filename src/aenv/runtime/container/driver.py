@@ -14,7 +14,18 @@ restarts; workspace, slot (+ its address) and envd_port let a restarted driver c
 without the spec.
 
 create() returns when envd's listen socket exists (connections queue in the kernel until its
-event loop runs, a few ms later). connect() reaches 127.0.0.1:port inside a sandbox without
+event loop runs, a few ms later).
+
+Ready pool: for the shapes given to `set_ready_shapes()` (the server gives the default
+template's), the driver keeps up to `runtime.ready_pool` fully started idle sandboxes, named
+`pool-<server pid>-<its start time>-<n>`, with workspaces under <state>/pool/ and an envd
+token only the driver knows. A matching create claims one instead: renames its cgroup
+directories and workspace to the sandbox id's, sets the hostname (setns into its UTS
+namespace) and /etc/hostname + /etc/hosts, applies the cpu/pids limits if they differ, and
+`POST /init`s envd with the real token, env vars, user and workdir (~1 ms of CPU instead of
+~16). The pool is refilled one sandbox at a time, only after no create has been in flight
+for `ready_idle` seconds. Unclaimed pool sandboxes are destroyed by close(), and those of a
+server that died are destroyed by the next start(). connect() reaches 127.0.0.1:port inside a sandbox without
 any veth: the socket is created while the event loop's thread is setns()'d into the
 sandbox's network namespace.
 """
@@ -23,9 +34,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -39,12 +52,14 @@ from typing import Any
 from aenv.config import Config
 from aenv.errors import AenvError, ErrorCode
 from aenv.runtime import pybundle
-from aenv.runtime.base import ResourceUsage, RuntimeHandle, SandboxSpec
+from aenv.runtime.base import ReadyShape, ResourceUsage, RuntimeHandle, SandboxSpec
 from aenv.runtime.container import cgroups, linux
 from aenv.runtime.container.network import NetworkPool
 
 _ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")  # a hostname label and a path component
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
+_POOL_PREFIX = "pool-"
+_pool_numbers = itertools.count(1)  # process-wide: several drivers may share a process
 
 
 @dataclass
@@ -56,6 +71,15 @@ class _Live:
     netns_fd: int | None = None
     cpu_ns: int | None = None
     cpu_at: float = 0.0
+
+
+@dataclass
+class _Ready:
+    """An idle, fully started sandbox of the ready pool."""
+
+    shape: ReadyShape
+    handle: RuntimeHandle  # its sandbox_id is the pool name
+    token: str  # envd's access token until the claim replaces it
 
 
 class _Zygote:
@@ -136,6 +160,8 @@ class ContainerDriver:
         create_timeout: float = 30.0,
         warm_processes: int | None = None,
         max_concurrent_setups: int | None = None,
+        ready_pool: int | None = None,
+        ready_idle: float = 0.05,
     ) -> None:
         self.config = config
         self.bundle = bundle
@@ -152,12 +178,17 @@ class ContainerDriver:
         self.warm_processes = (config.runtime.warm_processes if warm_processes is None
                                else warm_processes)
         self.max_concurrent_setups = max_concurrent_setups  # None: one per CPU
+        # Fully started sandboxes of the shapes set by set_ready_shapes(), refilled once no
+        # create has been in flight for `ready_idle` seconds.
+        self.ready_pool = config.runtime.ready_pool if ready_pool is None else ready_pool
+        self.ready_idle = ready_idle
         self.state_dir = config.home / "runtime" / "container"
         # Our own top-most read-only layer: empty mountpoint directories, so that no sandbox
         # copies up (creates inodes for) /opt/aenv/... or /run/aenv on its create path.
         self.driver_layer = self.state_dir / "layer"
         # Workspace skeletons made by warm fork-server children, renamed into place on create.
         self.staging = self.state_dir / "staging"
+        self.pool_dir = self.state_dir / "pool"  # workspaces of unclaimed pool sandboxes
         self._zygote: _Zygote | None = None
         self._zygote_lock = asyncio.Lock()
         self._live: dict[str, _Live] = {}
@@ -167,6 +198,14 @@ class ContainerDriver:
         self._network_started = False
         self._network_lock = asyncio.Lock()
         self.last_timings: dict[str, float] = {}  # of the latest create, for benchmarks
+        self._host_uts = -1
+        self._shapes: list[ReadyShape] = []
+        self._ready: list[_Ready] = []
+        self._pool_task: asyncio.Task[None] | None = None
+        self._pool_open = False
+        self._last_create = 0.0  # monotonic end of the latest create
+        me = os.getpid()
+        self._pool_owner = f"{me}-{linux.proc_start_time(me)}"
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -180,11 +219,18 @@ class ContainerDriver:
         await asyncio.to_thread(self.cgroups.ensure_parents)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.staging.mkdir(exist_ok=True)
+        self.pool_dir.mkdir(exist_ok=True)
         await asyncio.to_thread(self._sweep_warm, None)  # left by a dead fork-server
+        # Unclaimed pool sandboxes of a server that died (kill -9): before the network
+        # starts, so that their slots count as abandoned.
+        await asyncio.to_thread(self._sweep_pool_orphans)
         await asyncio.to_thread(self._make_driver_layer)
         # The event loop thread's own network namespace, to switch back to after connect().
         self._host_netns = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        self._host_uts = os.open("/proc/self/ns/uts", os.O_RDONLY | os.O_CLOEXEC)
         await self._ensure_zygote()
+        self._pool_open = True
+        self._kick_pool()
         # Bridge, firewall and warm network slots get ready in the background (sandboxes
         # have internet access by default); a failure surfaces at the first create needing it.
         self._background(self._warm_network())
@@ -217,6 +263,14 @@ class ContainerDriver:
                 shutil.rmtree(entry, ignore_errors=True)
 
     async def close(self) -> None:
+        # Unclaimed pool sandboxes are nobody's: they go (live sandboxes stay).
+        self._pool_open = False
+        if self._pool_task is not None:
+            with contextlib.suppress(BaseException):
+                await self._pool_task
+            self._pool_task = None
+        ready, self._ready = self._ready, []
+        await asyncio.gather(*[self._destroy_ready(r) for r in ready], return_exceptions=True)
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._zygote is not None:
@@ -233,6 +287,9 @@ class ContainerDriver:
         if self._host_netns >= 0:
             os.close(self._host_netns)
             self._host_netns = -1
+        if self._host_uts >= 0:
+            os.close(self._host_uts)
+            self._host_uts = -1
 
     async def _ensure_network(self) -> None:
         async with self._network_lock:  # concurrent first creates: set up once
@@ -308,8 +365,7 @@ class ContainerDriver:
 
     def _request(self, spec: SandboxSpec, slot_path: str | None,
                  slot_address: str | None) -> dict[str, Any]:
-        hosts = ("127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
-                 f"{slot_address or '127.0.1.1'}\t{spec.sandbox_id}\n")
+        hosts = _hosts(spec.sandbox_id, slot_address)
         return {
             "sandbox_id": spec.sandbox_id,
             "hostname": spec.sandbox_id,
@@ -340,11 +396,18 @@ class ContainerDriver:
             raise AenvError(ErrorCode.CONFLICT, f"sandbox {sid} already exists")
         self._creating.add(sid)
         try:
+            ready = self._take_ready(spec)
+            if ready is not None:
+                handle = await self._claim(ready, spec)
+                if handle is not None:
+                    return handle
             return await self._create(spec)
         finally:
             self._creating.discard(sid)
+            self._last_create = time.monotonic()
+            self._kick_pool()
 
-    async def _create(self, spec: SandboxSpec) -> RuntimeHandle:
+    async def _create(self, spec: SandboxSpec, timings: bool = True) -> RuntimeHandle:
         t0 = time.monotonic()
         zygote = await self._ensure_zygote()
         slot = None
@@ -377,10 +440,228 @@ class ContainerDriver:
         data["start_time"] = int(reply["start_time"])
         self._live[spec.sandbox_id] = _Live(data["pid"], data["start_time"], cpu_ns=0,
                                             cpu_at=time.monotonic())
-        self.last_timings = {"slot": t_slot, "total": time.monotonic() - t0,
-                             "sent": t_sent - t0,
-                             **{f"zygote_{k}": v for k, v in reply.get("t", {}).items()}}
+        if timings:
+            self.last_timings = {"slot": t_slot, "total": time.monotonic() - t0,
+                                 "sent": t_sent - t0, "pooled": 0.0,
+                                 **{f"zygote_{k}": v for k, v in reply.get("t", {}).items()}}
         return RuntimeHandle(driver=self.name, sandbox_id=spec.sandbox_id, data=data)
+
+    # -- ready pool -------------------------------------------------------------------------
+    def set_ready_shapes(self, shapes: list[ReadyShape]) -> None:
+        """The shapes to keep fully started sandboxes of (`ready_pool` in all, split evenly).
+        Pool sandboxes of shapes no longer wanted are destroyed."""
+        self._shapes = list(dict.fromkeys(shapes))
+        keep = [r for r in self._ready if r.shape in self._shapes]
+        for gone in [r for r in self._ready if r.shape not in self._shapes]:
+            self._background(self._destroy_ready(gone))
+        self._ready = keep
+        self._kick_pool()
+
+    def ready_count(self, shape: ReadyShape | None = None) -> int:
+        return sum(1 for r in self._ready if shape is None or r.shape == shape)
+
+    def _target(self, index: int) -> int:
+        n = len(self._shapes)
+        return self.ready_pool // n + (1 if index < self.ready_pool % n else 0)
+
+    def _kick_pool(self) -> None:
+        if (self._pool_open and self.ready_pool > 0 and self._shapes
+                and (self._pool_task is None or self._pool_task.done())):
+            self._pool_task = asyncio.get_running_loop().create_task(self._fill_pool())
+
+    def _pool_deficit(self) -> ReadyShape | None:
+        """The shape furthest below its share of the pool, if any is."""
+        best, missing = None, 0
+        for i, shape in enumerate(self._shapes):
+            short = self._target(i) - self.ready_count(shape)
+            if short > missing:
+                best, missing = shape, short
+        return best
+
+    async def _fill_pool(self) -> None:
+        """One pool sandbox at a time, and only while no create is in flight (nor was for
+        `ready_idle` s): refills must not take CPU from a burst of creates."""
+        failures = 0
+        while self._pool_open:
+            shape = self._pool_deficit()
+            if shape is None:
+                return
+            quiet = time.monotonic() - self._last_create
+            if self._creating or quiet < self.ready_idle:
+                await asyncio.sleep(max(self.ready_idle - quiet, 0.01))
+                continue
+            try:
+                ready = await self._make_ready(shape)
+            except (AenvError, OSError):
+                failures += 1
+                if failures >= 3:
+                    return  # tried again after the next create
+                await asyncio.sleep(0.5 * failures)
+                continue
+            failures = 0
+            if not self._pool_open or shape not in self._shapes:
+                await self._destroy_ready(ready)
+                continue
+            self._ready.append(ready)
+
+    async def _make_ready(self, shape: ReadyShape) -> _Ready:
+        name = f"{_POOL_PREFIX}{self._pool_owner}-{next(_pool_numbers)}"
+        token = secrets.token_urlsafe(24)
+        spec = SandboxSpec(sandbox_id=name, lower_layers=shape.lower_layers,
+                           workspace=self.pool_dir / name, cpu_count=shape.cpu_count,
+                           memory_mb=shape.memory_mb, pids_max=shape.pids_max,
+                           envd_access_token=token, default_user=shape.default_user,
+                           allow_internet_access=shape.allow_internet_access,
+                           envd_port=shape.envd_port)
+        self._check_spec(spec)
+        handle = await self._create(spec, timings=False)
+        return _Ready(shape, handle, token)
+
+    async def _destroy_ready(self, ready: _Ready) -> None:
+        with contextlib.suppress(AenvError):
+            await self.destroy(ready.handle)
+
+    def _take_ready(self, spec: SandboxSpec) -> _Ready | None:
+        key = ReadyShape.key_of(spec)
+        for i, ready in enumerate(self._ready):
+            if ready.shape.key == key:
+                return self._ready.pop(i)
+        return None
+
+    async def _claim(self, ready: _Ready, spec: SandboxSpec) -> RuntimeHandle | None:
+        """Turn a pool sandbox into `spec`'s sandbox. None (and the pool sandbox destroyed)
+        if that fails: the caller then creates one the usual way."""
+        t0 = time.monotonic()
+        name, sid = ready.handle.sandbox_id, spec.sandbox_id
+        data = dict(ready.handle.data)
+        live = self._live.pop(name, None) or _Live(int(data["pid"]), int(data["start_time"]))
+        host = asyncio.ensure_future(asyncio.to_thread(self._claim_host, name, ready.shape,
+                                                       spec, data, live))
+        try:
+            await asyncio.shield(host)
+            t_host = time.monotonic() - t0
+            self._live[sid] = live
+            handle = RuntimeHandle(driver=self.name, sandbox_id=sid, data=data)
+            await self._init_envd(handle, spec, ready.token)
+        except BaseException as exc:
+            self._background(self._discard_claim(host, name, sid, data))
+            if isinstance(exc, AenvError | OSError):
+                return None
+            raise
+        self.last_timings = {"pooled": 1.0, "claim_host": t_host,
+                             "total": time.monotonic() - t0}
+        return handle
+
+    def _claim_host(self, name: str, shape: ReadyShape, spec: SandboxSpec,
+                    data: dict[str, Any], live: _Live) -> None:
+        """The host side of a claim: cgroups, workspace, hostname, /etc. Blocking. Updates
+        `data["workspace"]` once the workspace has moved."""
+        if not self._alive(live):
+            raise AenvError(ErrorCode.UNAVAILABLE, f"pool sandbox {name} is gone")
+        sid = spec.sandbox_id
+        for ctrl in cgroups.CONTROLLERS:  # cgroup v1 renames within a parent
+            os.rename(self.cgroups.path(ctrl, name), self.cgroups.path(ctrl, sid))
+        limits = self.cgroups.limits(spec.memory_mb, spec.cpu_count, spec.pids_max)
+        for ctrl, differs in (("cpu", spec.cpu_count != shape.cpu_count),
+                              ("pids", spec.pids_max != shape.pids_max)):
+            if differs:
+                for file, value, _required in limits[ctrl]:
+                    (self.cgroups.path(ctrl, sid) / file).write_text(value)
+        with contextlib.suppress(OSError):
+            # CPU used from now on (envd's start happened long ago, in the pool).
+            live.cpu_ns = int(self.cgroups.read("cpuacct", sid, "cpuacct.usage"))
+            live.cpu_at = time.monotonic()
+        try:
+            spec.workspace.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(data["workspace"], spec.workspace)
+            data["workspace"] = str(spec.workspace)
+        except OSError:
+            pass  # another filesystem, or something is there: it stays in the pool dir
+        # Hostname: the sandbox's UTS namespace, for this worker thread only.
+        fd = os.open(f"/proc/{live.pid}/ns/uts", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            if not self._alive(live):  # checked after opening: the fd is surely its
+                raise AenvError(ErrorCode.UNAVAILABLE, f"pool sandbox {name} is gone")
+            linux.setns(fd, linux.CLONE_NEWUTS)
+            try:
+                linux.sethostname(sid)
+            finally:
+                linux.setns(self._host_uts, linux.CLONE_NEWUTS)
+        finally:
+            os.close(fd)
+        # /etc files the setup wrote in the upper layer (none for a template with an unusual
+        # /etc): rewritten in place through the sandbox's root, so no copy-up happens.
+        upper_etc = Path(data["workspace"]) / "upper" / "etc"
+        contents = {"hostname": sid + "\n", "hosts": _hosts(sid, data.get("address"))}
+        for file, content in contents.items():
+            if not (upper_etc / file).is_file():
+                continue
+            wfd = os.open(f"/proc/{live.pid}/root/etc/{file}",
+                          os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                os.write(wfd, content.encode())
+            finally:
+                os.close(wfd)
+
+    async def _init_envd(self, handle: RuntimeHandle, spec: SandboxSpec, token: str) -> None:
+        """`POST /init` the claimed sandbox's envd with the real token and settings."""
+        body: dict[str, Any] = {"accessToken": spec.envd_access_token,
+                                "envVars": dict(spec.env_vars),
+                                "defaultUser": spec.default_user}
+        if spec.default_workdir:
+            body["defaultWorkdir"] = spec.default_workdir
+        raw = json.dumps(body).encode()
+        sock = await self.connect(handle, spec.envd_port)
+        reader, writer = await asyncio.open_connection(sock=sock)
+        try:
+            writer.write((f"POST /init HTTP/1.1\r\nHost: envd\r\nConnection: close\r\n"
+                          f"Content-Type: application/json\r\nX-Access-Token: {token}\r\n"
+                          f"Content-Length: {len(raw)}\r\n\r\n").encode() + raw)
+            status = await asyncio.wait_for(reader.readline(), 10)
+        except TimeoutError:
+            raise AenvError(ErrorCode.TIMEOUT, "envd /init timed out") from None
+        finally:
+            writer.close()
+        parts = status.split()
+        if len(parts) < 2 or parts[1] != b"204":
+            raise AenvError(ErrorCode.INTERNAL, f"envd /init answered {status!r}")
+
+    async def _discard_claim(self, host: asyncio.Future[None], name: str, sid: str,
+                             data: dict[str, Any]) -> None:
+        """Destroy a pool sandbox whose claim failed half-way (under either name)."""
+        with contextlib.suppress(BaseException):
+            await host
+        pid = data.get("pid")
+        with contextlib.suppress(AenvError):
+            await self._cleanup(sid, data, int(pid) if pid else None,
+                                start_time=data.get("start_time"))
+        with contextlib.suppress(AenvError):
+            await self._kill_cgroup(name)
+        with contextlib.suppress(OSError):
+            await asyncio.to_thread(self.cgroups.remove, name)
+        await asyncio.to_thread(shutil.rmtree, self.pool_dir / name, True)
+
+    def _sweep_pool_orphans(self) -> None:
+        """Destroy pool sandboxes (cgroup + workspace) of servers that are gone. Blocking."""
+        base = self.cgroups.root / "pids" / self.cgroups.parent
+        names = {p.name for p in base.iterdir()} if base.is_dir() else set()
+        names |= {p.name for p in self.pool_dir.iterdir()} if self.pool_dir.is_dir() else set()
+        for name in names:
+            parts = name.split("-")
+            if (len(parts) != 4 or parts[0] + "-" != _POOL_PREFIX or not parts[1].isdigit()
+                    or not parts[2].isdigit()):
+                continue
+            if str(linux.proc_start_time(int(parts[1]))) == parts[2]:
+                continue  # a live server's pool
+            deadline = time.monotonic() + 10
+            while (pids := self.cgroups.pids(name)) and time.monotonic() < deadline:
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                time.sleep(0.01)
+            with contextlib.suppress(OSError):
+                self.cgroups.remove(name)
+            shutil.rmtree(self.pool_dir / name, ignore_errors=True)
 
     def _background(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -577,6 +858,11 @@ def _disk_usage(root: Path) -> int:
             if entry.is_dir(follow_symlinks=False):
                 stack.append(entry.path)
     return total
+
+
+def _hosts(sandbox_id: str, slot_address: str | None) -> str:
+    return ("127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+            f"{slot_address or '127.0.1.1'}\t{sandbox_id}\n")
 
 
 def _host_resolv_conf() -> str | None:

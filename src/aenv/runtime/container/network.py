@@ -23,6 +23,7 @@ import fcntl
 import ipaddress
 import os
 import subprocess
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +64,11 @@ def _disable_ipv6(ifname: str) -> None:
         path.write_text("1")
 
 
+# Every pool of this process (tests run several drivers in one): a slot named after our pid
+# that one of them holds is not abandoned, even while no process is inside it yet.
+_POOLS: weakref.WeakSet[NetworkPool] = weakref.WeakSet()
+
+
 class NetworkPool:
     """Pre-made network slots. One instance per driver; all state lives here."""
 
@@ -81,6 +87,7 @@ class NetworkPool:
         self._making = 0
         self._refill: asyncio.Task[None] | None = None
         self._started = False
+        _POOLS.add(self)
 
     # -- addressing ---------------------------------------------------------------------
     def _slot(self, index: int, owner: int) -> Slot:
@@ -218,8 +225,11 @@ table bridge aenv {{
             if pid.isdigit():
                 with contextlib.suppress(OSError):
                     live.add(os.stat(f"/proc/{pid}/ns/net").st_ino)
+        held = {name for pool in list(_POOLS)
+                for name in (*pool._used, *(s.name for s in pool._free))}
         used = [slot for ino, slot in inodes.items() if ino in live]
         abandoned = [slot for ino, slot in inodes.items() if ino not in live
+                     and slot.name not in held
                      and (slot.owner == os.getpid() or not Path(f"/proc/{slot.owner}").exists())]
         return used, abandoned
 
