@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from aenv.errors import invalid
+from aenv.storage.repository.config import SnapshotConfig
 
 
 def default_home() -> Path:
@@ -70,6 +71,7 @@ class Config:
     sandbox: SandboxDefaults = field(default_factory=SandboxDefaults)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
+    snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
 
     @property
     def home(self) -> Path:

@@ -19,6 +19,7 @@ class ErrorCode(StrEnum):
     UNAVAILABLE = "unavailable"
     TIMEOUT = "timeout"
     INTERNAL = "internal"
+    DATA_LOSS = "data_loss"  # stored data failed its integrity check
 
 
 class AenvError(Exception):

@@ -28,3 +28,14 @@ def test_bad_values_are_clear_errors(tmp_path: Path) -> None:
     (tmp_path / "config.toml").write_text("[sandbox\n")
     with pytest.raises(AenvError, match="config"):
         load_config({"AENV_HOME": str(tmp_path)})
+
+
+def test_snapshot_s3_needs_explicit_region(tmp_path: Path) -> None:
+    env = {"AENV_HOME": str(tmp_path), "AENV_SNAPSHOT_BACKEND": "s3",
+           "AENV_SNAPSHOT_S3_ENDPOINT": "http://127.0.0.1:9000", "AENV_SNAPSHOT_S3_BUCKET": "b"}
+    cfg = load_config(env)
+    with pytest.raises(AenvError, match="snapshot.s3_region"):
+        cfg.snapshot.validate()
+    cfg = load_config({**env, "AENV_SNAPSHOT_S3_REGION": "eu-west-1"})
+    cfg.snapshot.validate()
+    assert cfg.snapshot.s3_region == "eu-west-1"

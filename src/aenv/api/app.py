@@ -89,6 +89,7 @@ def base_template(config: Config, layer_id: str) -> TemplateRecord:
 
 
 def build_server(config: Config, show_progress: bool = True) -> Server:
+    config.snapshot.validate()
     layout = Layout(config.home)
     layout.ensure()
     api_key = config.server.api_key or layout.api_key()

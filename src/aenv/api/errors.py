@@ -13,6 +13,7 @@ STATUS_BY_CODE: dict[ErrorCode, int] = {
     ErrorCode.CONFLICT: 409,
     ErrorCode.RESOURCE_EXHAUSTED: 429,
     ErrorCode.INTERNAL: 500,
+    ErrorCode.DATA_LOSS: 500,
     ErrorCode.NOT_SUPPORTED: 501,
     ErrorCode.UNAVAILABLE: 503,
     ErrorCode.TIMEOUT: 504,

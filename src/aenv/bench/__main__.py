@@ -13,6 +13,8 @@ def main() -> int:
     runtime_bench.main([])
     print()
     runtime_bench.main(["--internet"])
+    print()
+    runtime_bench.main(["--internet", "--ready-pool", "16"])
     return 0
 
 

@@ -6,7 +6,11 @@
 - host memory per idle sandbox: the drop of MemAvailable over N idle sandboxes, and the sum
   of their processes' PSS (proportional set size: shared pages split among sharers) / N.
 
+With --ready-pool N the driver keeps N started sandboxes of the benchmark's shape (what the
+server does for the default template): creates claim them; the pool refills between bursts.
+
 Usage (root): python -m aenv.bench.runtime_bench [--rootfs DIR] [--idle 30] [--rounds 5]
+              [--internet] [--ready-pool N]
 Owns: nothing but its temporary AENV home and the sandboxes it makes (all destroyed).
 """
 
@@ -24,7 +28,7 @@ from pathlib import Path
 
 from aenv.bench.stats import summarize
 from aenv.config import Config
-from aenv.runtime.base import RuntimeHandle, SandboxSpec
+from aenv.runtime.base import ReadyShape, RuntimeHandle, SandboxSpec
 from aenv.runtime.container.driver import ContainerDriver
 
 _BENCH_CGROUP = Path("/sys/fs/cgroup/cpuacct/aenv-bench")
@@ -59,12 +63,15 @@ def cpu_ms(path: Path) -> float:
 
 
 class Bench:
-    def __init__(self, rootfs: Path, home: Path, internet: bool, warm_pool: int | None) -> None:
+    def __init__(self, rootfs: Path, home: Path, internet: bool, warm_pool: int | None,
+                 ready_pool: int = 0) -> None:
         cfg = Config()
         cfg.server.home = home
         if warm_pool is not None:
             cfg.runtime.warm_pool = warm_pool
+        cfg.runtime.ready_pool = ready_pool
         self.driver = ContainerDriver(cfg)
+        self.ready_pool = ready_pool
         self.rootfs = rootfs
         self.home = home
         self.internet = internet
@@ -93,9 +100,22 @@ class Bench:
         await self.health(handle)
         return handle, ready, time.perf_counter() - t
 
+    def shape(self) -> ReadyShape:
+        s = self.spec()
+        return ReadyShape(lower_layers=s.lower_layers, cpu_count=s.cpu_count,
+                          memory_mb=s.memory_mb, pids_max=s.pids_max,
+                          allow_internet_access=s.allow_internet_access,
+                          envd_port=s.envd_port, default_user=s.default_user)
+
     async def settle(self) -> None:
         # Let the fork-server refill its warm pool and the kernel finish tearing down.
         await asyncio.sleep(1.5)
+        await self.pool_full()
+
+    async def pool_full(self, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.driver.ready_count() < self.ready_pool and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     async def sequential(self, n: int) -> list[str]:
         ready, health = [], []
@@ -140,6 +160,7 @@ class Bench:
         for _ in range(n):
             handles.append((await self.one())[0])
         await asyncio.sleep(3)  # idle: envd started, page cache settled, warm pool refilled
+        await self.pool_full()  # as full as at the start: pool sandboxes are not counted
         drop = base - mem_available()
         pids = []
         for h in handles:
@@ -162,15 +183,19 @@ async def main_async(args: argparse.Namespace) -> None:
     _BENCH_CGROUP.mkdir(exist_ok=True)
     # This process and its fork-server (a child) are accounted here; sandboxes move out.
     (_BENCH_CGROUP / "cgroup.procs").write_text(str(os.getpid()))
-    bench = Bench(args.rootfs, home, args.internet, args.warm_pool)
+    bench = Bench(args.rootfs, home, args.internet, args.warm_pool, args.ready_pool)
     bench.verbose = args.verbose
     await bench.driver.start()
+    if args.ready_pool:
+        bench.driver.set_ready_shapes([bench.shape()])
     try:
         await bench.settle()
         warm_up, _, _ = await bench.one()  # page cache of the template and the bundle
         await bench.driver.destroy(warm_up)
         slots = (f", {bench.driver.config.runtime.warm_pool} warm slots" if args.internet
                  else "")
+        slots += (f", ready pool of {args.ready_pool} started sandboxes" if args.ready_pool
+                  else ", fork-server only")
         lines = [(f"container runtime ({'with' if args.internet else 'no'} internet{slots},"
                  f" {os.cpu_count()} cpus, load avg {os.getloadavg()[0]:.2f} at start)")]
         lines += await bench.sequential(args.sequential)
@@ -195,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="sandboxes get network slots (pool of config runtime.warm_pool)")
     parser.add_argument("--warm-pool", type=int, default=None,
                         help="network slots kept ready (default: config runtime.warm_pool)")
+    parser.add_argument("--ready-pool", type=int, default=0,
+                        help="started sandboxes of the benchmark's shape kept ready (default 0)")
     parser.add_argument("-v", "--verbose", action="store_true", help="print every burst")
     args = parser.parse_args(argv)
     if args.rootfs is None:

@@ -1,7 +1,8 @@
 """Container runtime, measured through the official E2B SDK against a real server:
 
 - create -> envd ready (the SDK's `Sandbox.create` returns only when envd answers),
-  sequentially and with 16 concurrent creates;
+  sequentially (0.1 s apart) and in bursts of 16 concurrent creates (2 s apart: the server's
+  ready pool of 16 started sandboxes refills once it is idle);
 - `commands.run("true")` round trip;
 - host memory per idle sandbox (drop of MemAvailable over N idle sandboxes, and the sum of
   the sandboxes' cgroup memory usage), after the page cache settles.
@@ -17,6 +18,8 @@ from pathlib import Path
 
 from aenv.bench.stats import summarize
 from aenv.devserver import ServerProcess, prepare_home
+
+SETTLE_S = 2.0  # between bursts: the ready pool refills (~0.5 s for 16 sandboxes)
 
 
 def mem_available() -> int:
@@ -47,6 +50,7 @@ def raw_http_burst(server: ServerProcess, rounds: int = 3, size: int = 16) -> li
 
             out: list[float] = []
             for _ in range(rounds):
+                await asyncio.sleep(SETTLE_S)
                 results = await asyncio.gather(*[one() for _ in range(size)])
                 out.extend(dt for dt, _ in results)
                 await asyncio.gather(*[http.delete(f"/sandboxes/{sid}") for _, sid in results])
@@ -74,10 +78,12 @@ def run(server: ServerProcess) -> list[str]:
         dt, sbx = timed_create()
         seq.append(dt)
         sbx.kill()
+        time.sleep(0.1)
     lines.append(summarize("create -> envd ready, sequential", seq).line())
 
     conc: list[float] = []
     for _ in range(3):
+        time.sleep(SETTLE_S)
         with ThreadPoolExecutor(16) as pool:
             results = list(pool.map(lambda _: timed_create(), range(16)))
         conc.extend(dt for dt, _ in results)
@@ -98,7 +104,7 @@ def run(server: ServerProcess) -> list[str]:
     sbx.kill()
 
     n = 30
-    time.sleep(1)
+    time.sleep(SETTLE_S)  # the ready pool is full before and after: not counted
     before = mem_available()
     idle = [Sandbox.create() for _ in range(n)]
     time.sleep(3)

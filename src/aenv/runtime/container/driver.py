@@ -80,6 +80,7 @@ class _Ready:
     shape: ReadyShape
     handle: RuntimeHandle  # its sandbox_id is the pool name
     token: str  # envd's access token until the claim replaces it
+    cpu_ns: int  # its cgroup's CPU use once idle: the claimed sandbox's stats count from here
 
 
 class _Zygote:
@@ -515,7 +516,18 @@ class ContainerDriver:
                            envd_port=shape.envd_port)
         self._check_spec(spec)
         handle = await self._create(spec, timings=False)
-        return _Ready(shape, handle, token)
+        try:
+            # A first request makes envd fault in (copy-on-write) its request path now,
+            # rather than during a claim: ~0.7 ms less of CPU on the create path.
+            await self._init_envd(handle, token, {"envVars": {},
+                                                  "defaultUser": shape.default_user})
+            cpu_ns = int(await asyncio.to_thread(self.cgroups.read, "cpuacct", name,
+                                                 "cpuacct.usage"))
+        except BaseException:
+            with contextlib.suppress(AenvError):
+                await self.destroy(handle)
+            raise
+        return _Ready(shape, handle, token, cpu_ns)
 
     async def _destroy_ready(self, ready: _Ready) -> None:
         with contextlib.suppress(AenvError):
@@ -535,16 +547,22 @@ class ContainerDriver:
         name, sid = ready.handle.sandbox_id, spec.sandbox_id
         data = dict(ready.handle.data)
         live = self._live.pop(name, None) or _Live(int(data["pid"]), int(data["start_time"]))
-        host = asyncio.ensure_future(asyncio.to_thread(self._claim_host, name, ready.shape,
-                                                       spec, data, live))
+        live.cpu_ns, live.cpu_at = ready.cpu_ns, t0
         try:
-            await asyncio.shield(host)
+            # Inline, not in a thread: ~1 ms of syscalls, and a thread hop per claim costs
+            # more CPU than it saves under a burst.
+            self._claim_host(name, ready.shape, spec, data, live)
             t_host = time.monotonic() - t0
             self._live[sid] = live
             handle = RuntimeHandle(driver=self.name, sandbox_id=sid, data=data)
-            await self._init_envd(handle, spec, ready.token)
+            body: dict[str, Any] = {"accessToken": spec.envd_access_token,
+                                    "envVars": dict(spec.env_vars),
+                                    "defaultUser": spec.default_user}
+            if spec.default_workdir:
+                body["defaultWorkdir"] = spec.default_workdir
+            await self._init_envd(handle, ready.token, body)
         except BaseException as exc:
-            self._background(self._discard_claim(host, name, sid, data))
+            self._background(self._discard_claim(name, sid, data))
             if isinstance(exc, AenvError | OSError):
                 return None
             raise
@@ -554,30 +572,31 @@ class ContainerDriver:
 
     def _claim_host(self, name: str, shape: ReadyShape, spec: SandboxSpec,
                     data: dict[str, Any], live: _Live) -> None:
-        """The host side of a claim: cgroups, workspace, hostname, /etc. Blocking. Updates
-        `data["workspace"]` once the workspace has moved."""
+        """The host side of a claim: cgroups, workspace, hostname, /etc. Blocking (about a
+        millisecond). Updates `data["workspace"]` once the workspace has moved."""
         if not self._alive(live):
             raise AenvError(ErrorCode.UNAVAILABLE, f"pool sandbox {name} is gone")
         sid = spec.sandbox_id
+        root, parent = str(self.cgroups.root), self.cgroups.parent
         for ctrl in cgroups.CONTROLLERS:  # cgroup v1 renames within a parent
-            os.rename(self.cgroups.path(ctrl, name), self.cgroups.path(ctrl, sid))
+            os.rename(f"{root}/{ctrl}/{parent}/{name}", f"{root}/{ctrl}/{parent}/{sid}")
         limits = self.cgroups.limits(spec.memory_mb, spec.cpu_count, spec.pids_max)
         for ctrl, differs in (("cpu", spec.cpu_count != shape.cpu_count),
                               ("pids", spec.pids_max != shape.pids_max)):
             if differs:
                 for file, value, _required in limits[ctrl]:
                     (self.cgroups.path(ctrl, sid) / file).write_text(value)
-        with contextlib.suppress(OSError):
-            # CPU used from now on (envd's start happened long ago, in the pool).
-            live.cpu_ns = int(self.cgroups.read("cpuacct", sid, "cpuacct.usage"))
-            live.cpu_at = time.monotonic()
         try:
-            spec.workspace.parent.mkdir(parents=True, exist_ok=True)
             os.rename(data["workspace"], spec.workspace)
             data["workspace"] = str(spec.workspace)
+        except FileNotFoundError:
+            with contextlib.suppress(OSError):
+                spec.workspace.parent.mkdir(parents=True, exist_ok=True)
+                os.rename(data["workspace"], spec.workspace)
+                data["workspace"] = str(spec.workspace)
         except OSError:
             pass  # another filesystem, or something is there: it stays in the pool dir
-        # Hostname: the sandbox's UTS namespace, for this worker thread only.
+        # Hostname: the sandbox's UTS namespace, for this thread only, and back.
         fd = os.open(f"/proc/{live.pid}/ns/uts", os.O_RDONLY | os.O_CLOEXEC)
         try:
             if not self._alive(live):  # checked after opening: the fd is surely its
@@ -590,47 +609,51 @@ class ContainerDriver:
         finally:
             os.close(fd)
         # /etc files the setup wrote in the upper layer (none for a template with an unusual
-        # /etc): rewritten in place through the sandbox's root, so no copy-up happens.
-        upper_etc = Path(data["workspace"]) / "upper" / "etc"
+        # /etc): rewritten in place through the sandbox's root (no copy-up). No code of
+        # anyone ran in the sandbox yet, so nothing there can redirect these writes.
+        upper_etc = f"{data['workspace']}/upper/etc"
         contents = {"hostname": sid + "\n", "hosts": _hosts(sid, data.get("address"))}
         for file, content in contents.items():
-            if not (upper_etc / file).is_file():
+            if not os.path.isfile(f"{upper_etc}/{file}"):
                 continue
+            raw = content.encode()
             wfd = os.open(f"/proc/{live.pid}/root/etc/{file}",
-                          os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC)
+                          os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
-                os.write(wfd, content.encode())
+                # Not O_TRUNC: truncating to zero frees the block (~0.4 ms on ext4).
+                os.pwrite(wfd, raw, 0)
+                os.ftruncate(wfd, len(raw))
             finally:
                 os.close(wfd)
 
-    async def _init_envd(self, handle: RuntimeHandle, spec: SandboxSpec, token: str) -> None:
-        """`POST /init` the claimed sandbox's envd with the real token and settings."""
-        body: dict[str, Any] = {"accessToken": spec.envd_access_token,
-                                "envVars": dict(spec.env_vars),
-                                "defaultUser": spec.default_user}
-        if spec.default_workdir:
-            body["defaultWorkdir"] = spec.default_workdir
+    async def _init_envd(self, handle: RuntimeHandle, token: str, body: dict[str, Any]
+                         ) -> None:
+        """`POST /init` to the sandbox's envd, authenticated with its current `token`."""
         raw = json.dumps(body).encode()
-        sock = await self.connect(handle, spec.envd_port)
-        reader, writer = await asyncio.open_connection(sock=sock)
+        loop = asyncio.get_running_loop()
+        sock = await self.connect(handle, int(handle.data["envd_port"]))
         try:
-            writer.write((f"POST /init HTTP/1.1\r\nHost: envd\r\nConnection: close\r\n"
-                          f"Content-Type: application/json\r\nX-Access-Token: {token}\r\n"
-                          f"Content-Length: {len(raw)}\r\n\r\n").encode() + raw)
-            status = await asyncio.wait_for(reader.readline(), 10)
+            await loop.sock_sendall(sock, (
+                f"POST /init HTTP/1.1\r\nHost: envd\r\nConnection: close\r\n"
+                f"Content-Type: application/json\r\nX-Access-Token: {token}\r\n"
+                f"Content-Length: {len(raw)}\r\n\r\n").encode() + raw)
+            reply = b""
+            async with asyncio.timeout(10):
+                while b"\r\n" not in reply:
+                    chunk = await loop.sock_recv(sock, 4096)
+                    if not chunk:
+                        break
+                    reply += chunk
         except TimeoutError:
             raise AenvError(ErrorCode.TIMEOUT, "envd /init timed out") from None
         finally:
-            writer.close()
-        parts = status.split()
+            sock.close()
+        parts = reply.split(b"\r\n", 1)[0].split()
         if len(parts) < 2 or parts[1] != b"204":
-            raise AenvError(ErrorCode.INTERNAL, f"envd /init answered {status!r}")
+            raise AenvError(ErrorCode.INTERNAL, f"envd /init answered {reply[:100]!r}")
 
-    async def _discard_claim(self, host: asyncio.Future[None], name: str, sid: str,
-                             data: dict[str, Any]) -> None:
+    async def _discard_claim(self, name: str, sid: str, data: dict[str, Any]) -> None:
         """Destroy a pool sandbox whose claim failed half-way (under either name)."""
-        with contextlib.suppress(BaseException):
-            await host
         pid = data.get("pid")
         with contextlib.suppress(AenvError):
             await self._cleanup(sid, data, int(pid) if pid else None,

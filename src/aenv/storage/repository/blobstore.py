@@ -11,8 +11,10 @@ All methods are blocking; the repository calls them from worker threads.
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import re
+import threading
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -25,11 +27,25 @@ from aenv.storage.repository.errors import BlobCorrupted
 
 try:  # zstd is faster and smaller than zlib; zlib is the always-available fallback
     import zstandard
-
-    _ZSTD_C: zstandard.ZstdCompressor | None = zstandard.ZstdCompressor(level=1)
 except ImportError:  # pragma: no cover - zstandard is a declared dependency
     zstandard = None  # type: ignore[assignment]
-    _ZSTD_C = None
+
+# zstandard (de)compressor objects are not thread-safe (sharing one segfaults): one per thread.
+_tls = threading.local()
+
+
+def _zstd_c() -> zstandard.ZstdCompressor:
+    c: zstandard.ZstdCompressor | None = getattr(_tls, "c", None)
+    if c is None:
+        c = _tls.c = zstandard.ZstdCompressor(level=1)
+    return c
+
+
+def _zstd_d() -> zstandard.ZstdDecompressor:
+    d: zstandard.ZstdDecompressor | None = getattr(_tls, "d", None)
+    if d is None:
+        d = _tls.d = zstandard.ZstdDecompressor()
+    return d
 
 _DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
 _META_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*$")
@@ -60,8 +76,8 @@ def check_meta_name(name: str) -> str:
 
 def encode(data: bytes) -> bytes:
     """Compress when it pays (>= 1/8 smaller); random or already-compressed data stays raw."""
-    if _ZSTD_C is not None:
-        packed, codec = _ZSTD_C.compress(data), ZSTD
+    if zstandard is not None:
+        packed, codec = _zstd_c().compress(data), ZSTD
     else:  # pragma: no cover
         packed, codec = zlib.compress(data, 1), ZLIB
     if len(packed) <= len(data) - len(data) // 8:
@@ -83,10 +99,10 @@ def decode(stored: bytes, digest: str, repository: str) -> bytes:
         if codec == RAW:
             data = body
         elif codec == ZSTD:
-            data = zstandard.ZstdDecompressor().decompress(body)
+            data = _zstd_d().decompress(body)
         else:
             data = zlib.decompress(body)
-    except Exception as exc:  # any decoder failure on stored bytes is corruption, not a bug
+    except Exception as exc:  # noqa: BLE001 - any decoder failure on stored bytes is corruption
         raise BlobCorrupted(repository, what, f"cannot decompress: {exc}") from None
     actual = sha256_hex(data)
     if actual != digest:
@@ -133,7 +149,7 @@ class BlobStore(Protocol):
 
     def get_meta(self, name: str) -> bytes | None: ...
 
-    def list_meta(self, prefix: str) -> list[MetaInfo]: ...
+    def list_meta(self, prefix: str) -> builtins.list[MetaInfo]: ...
 
     def delete_meta(self, name: str) -> None: ...
 
@@ -167,7 +183,7 @@ class BlobStoreBase(ABC):
     def get_meta(self, name: str) -> bytes | None: ...
 
     @abstractmethod
-    def list_meta(self, prefix: str) -> list[MetaInfo]: ...
+    def list_meta(self, prefix: str) -> builtins.list[MetaInfo]: ...
 
     @abstractmethod
     def delete_meta(self, name: str) -> None: ...

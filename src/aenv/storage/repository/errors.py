@@ -10,15 +10,12 @@ from aenv.errors import AenvError, ErrorCode
 
 
 class BlobCorrupted(AenvError):
-    """A stored blob or manifest failed verification. Never carries the bad bytes onward.
-
-    Code is INTERNAL (500) until the enum grows a DATA_LOSS code; callers that care can catch
-    this subclass.
-    """
+    """A stored blob or manifest failed verification (code DATA_LOSS). Never carries the bad
+    bytes onward."""
 
     def __init__(self, repository: str, what: str, detail: str) -> None:
         super().__init__(
-            ErrorCode.INTERNAL,
+            ErrorCode.DATA_LOSS,
             f"snapshot repository {repository}: {what} is corrupt ({detail}); "
             "refusing to use it",
         )

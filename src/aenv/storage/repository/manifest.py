@@ -167,8 +167,8 @@ def scan(root: Path) -> Iterator[tuple[Entry, Path]]:
             path = Path(item.path)
             relpath = f"{rel}{item.name}"
             st = os.lstat(path)
-            common: dict[str, Any] = dict(mode=stat.S_IMODE(st.st_mode), uid=st.st_uid,
-                                          gid=st.st_gid, mtime_ns=st.st_mtime_ns)
+            common: dict[str, Any] = {"mode": stat.S_IMODE(st.st_mode), "uid": st.st_uid,
+                                      "gid": st.st_gid, "mtime_ns": st.st_mtime_ns}
             fmt = stat.S_IFMT(st.st_mode)
             if fmt == stat.S_IFDIR:
                 yield Entry(relpath, "dir", xattrs=_xattrs(path), **common), path

@@ -12,6 +12,7 @@ so a reader (or a crash) sees either nothing or the whole object.
 
 from __future__ import annotations
 
+import builtins
 import os
 import secrets
 from collections.abc import Iterator
@@ -89,7 +90,7 @@ class PosixBlobStore(BlobStoreBase):
         except FileNotFoundError:
             return None
 
-    def list_meta(self, prefix: str) -> list[MetaInfo]:
+    def list_meta(self, prefix: str) -> builtins.list[MetaInfo]:
         base = self._meta / check_meta_name(prefix.rstrip("/"))
         if not base.is_dir():
             return []

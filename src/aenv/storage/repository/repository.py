@@ -20,6 +20,8 @@ that a push has decided to reuse.
 from __future__ import annotations
 
 import asyncio
+import builtins
+import concurrent.futures
 import contextlib
 import ctypes
 import functools
@@ -29,10 +31,9 @@ import secrets
 import shutil
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 from aenv.errors import AenvError, ErrorCode, invalid, not_found
 from aenv.storage.repository.blobstore import BlobStore
@@ -94,6 +95,10 @@ def _syncfs(path: Path) -> None:
         os.close(fd)
 
 
+def _open_rb(path: Path) -> BinaryIO:
+    return path.open("rb")
+
+
 class Repository:
     def __init__(self, store: BlobStore, *, chunking: Chunking = DEFAULT_CHUNKING,
                  concurrency: int = 8, marker_ttl_s: float = 6 * 3600, gc_wait_s: float = 300) -> None:
@@ -104,14 +109,32 @@ class Repository:
         self.gc_wait_s = gc_wait_s
         # Our own threads: S3 round trips block, and the loop's default executor (cpu+4 threads)
         # is shared with the rest of the server.
-        self._executor = ThreadPoolExecutor(concurrency + 2, thread_name_prefix="aenv-repo")
+        self._executor = concurrent.futures.ThreadPoolExecutor(concurrency + 2, thread_name_prefix="aenv-repo")
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
 
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
+    async def _run(self, fn: Callable[..., T], *args: Any,
+                   track: set[concurrent.futures.Future[Any]] | None = None) -> T:
+        fut = self._executor.submit(functools.partial(fn, *args))
+        if track is not None:
+            track.add(fut)
+            fut.add_done_callback(track.discard)
+        return await asyncio.wrap_future(fut)
+
+    @staticmethod
+    async def _settle(tasks: set[asyncio.Task[None]], track: set[concurrent.futures.Future[Any]]) -> None:
+        """After a failure: stop the tasks, then wait for worker threads they already started.
+
+        Cancelling an asyncio task does not stop a running thread; without this, a failed push
+        would return while its threads still write blobs, and a failed pull while they still
+        write into the staging directory being removed."""
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        running = [asyncio.wrap_future(f) for f in list(track)]
+        if running:
+            await asyncio.wait(running)
 
     @property
     def description(self) -> str:
@@ -122,7 +145,7 @@ class Repository:
     async def exists(self, snapshot_id: str) -> bool:
         return await self._run(self.store.get_meta, manifest_name(snapshot_id)) is not None
 
-    async def list(self) -> list[str]:
+    async def list(self) -> builtins.list[str]:
         metas = await self._run(self.store.list_meta, "manifests")
         return sorted(m.name.removeprefix("manifests/").removesuffix(".json") for m in metas
                       if m.name.endswith(".json"))
@@ -184,20 +207,24 @@ class Repository:
                                 f"repository {self.description}: garbage collection still running")
             await asyncio.sleep(0.5)
 
-    async def _upload_files(self, entries: list[tuple[Entry, Path]], known: set[str],
+    async def _upload_files(self, entries: builtins.list[tuple[Entry, Path]], known: set[str],
                             stats: PushStats, progress: Progress | None) -> None:
         sem = asyncio.Semaphore(self.concurrency)  # bounds chunks held in memory, too
         tasks: set[asyncio.Task[None]] = set()
+        track: set[concurrent.futures.Future[Any]] = set()
         decided = set(known)  # chunks already present or being uploaded by this push
+        failures: builtins.list[Exception] = []  # raised by the producer loop, not lost in a task
         done_bytes = 0
 
         async def upload(digest: str, data: bytes) -> None:
             try:
-                if not await self._run(self.store.has, digest):
-                    stored = await self._run(self.store.put, digest, data)
+                if not await self._run(self.store.has, digest, track=track):
+                    stored = await self._run(self.store.put, digest, data, track=track)
                     stats.bytes_uploaded += stored
                     stats.bytes_new += len(data)
                     stats.chunks_new += 1
+            except Exception as exc:  # noqa: BLE001 - handed to the producer, which re-raises
+                failures.append(exc)
             finally:
                 sem.release()
 
@@ -206,7 +233,7 @@ class Repository:
                 if entry.type != "file":
                     continue
                 stats.files += 1
-                f = await self._run(open, path, "rb")
+                f = await self._run(_open_rb, path)
                 try:
                     gen = iter_chunks(f, self.chunking)
                     entry.chunks = []
@@ -217,23 +244,23 @@ class Repository:
                         done_bytes += len(data)
                         if progress is not None:
                             progress(done_bytes, stats.bytes_total)
-                        for t in [t for t in tasks if t.done()]:
-                            tasks.discard(t)
-                            t.result()  # surface an upload failure now, not at the end
+                        if failures:
+                            raise failures[0]  # surface an upload failure now, not at the end
                         if digest in decided:
                             continue
                         decided.add(digest)
                         await sem.acquire()
-                        tasks.add(asyncio.create_task(upload(digest, data)))
+                        task = asyncio.create_task(upload(digest, data))
+                        tasks.add(task)
+                        task.add_done_callback(tasks.discard)
                 finally:
                     await self._run(f.close)
                 entry.size = sum(n for _, n in entry.chunks)
-            if tasks:
-                await asyncio.gather(*tasks)
+            await asyncio.gather(*tasks)
+            if failures:
+                raise failures[0]
         except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._settle(tasks, track)
             raise
 
     # ---- pull ----------------------------------------------------------------------------
@@ -263,10 +290,10 @@ class Repository:
         return stats
 
     def _make_tree(self, manifest: Manifest, staging: Path,
-                   stats: PullStats) -> dict[str, list[tuple[Path, int]]]:
+                   stats: PullStats) -> dict[str, builtins.list[tuple[Path, int]]]:
         """Create every entry (files sized but empty); return where each chunk must go."""
         staging.mkdir(mode=0o700)
-        locations: dict[str, list[tuple[Path, int]]] = {}
+        locations: dict[str, builtins.list[tuple[Path, int]]] = {}
         for e in manifest.entries:
             path = staging if e.path == "." else staging / e.path
             if e.type == "dir":
@@ -297,10 +324,11 @@ class Repository:
                 raise invalid(f"snapshot {manifest.snapshot_id}: unknown entry type {e.type!r}")
         return locations
 
-    async def _fetch_chunks(self, locations: dict[str, list[tuple[Path, int]]], stats: PullStats) -> None:
+    async def _fetch_chunks(self, locations: dict[str, builtins.list[tuple[Path, int]]],
+                            stats: PullStats) -> None:
         queue = list(locations.items())
 
-        def write(data: bytes, where: list[tuple[Path, int]]) -> None:
+        def write(data: bytes, where: builtins.list[tuple[Path, int]]) -> None:
             if data == bytes(len(data)):
                 return  # the file was ftruncated to size: this range already reads as zeros
             for path, offset in where:
@@ -313,18 +341,17 @@ class Repository:
         async def worker() -> None:
             while queue:
                 digest, where = queue.pop()
-                data = await self._run(self.store.get, digest)  # verified, or raises
-                await self._run(write, data, where)
+                data = await self._run(self.store.get, digest, track=track)  # verified, or raises
+                await self._run(write, data, where, track=track)
                 stats.chunks_fetched += 1
                 stats.bytes_fetched += len(data)
 
-        workers = [asyncio.create_task(worker()) for _ in range(self.concurrency)]
+        track: set[concurrent.futures.Future[Any]] = set()
+        workers = {asyncio.create_task(worker()) for _ in range(self.concurrency)}
         try:
             await asyncio.gather(*workers)
         except BaseException:
-            for w in workers:
-                w.cancel()
-            await asyncio.gather(*workers, return_exceptions=True)
+            await self._settle(workers, track)
             raise
 
     def _finish_tree(self, manifest: Manifest, staging: Path) -> None:

@@ -13,6 +13,7 @@ region and we never want boto3 to guess a different one than the operator meant.
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Iterator
 from typing import Any
 
@@ -144,7 +145,7 @@ class S3BlobStore(BlobStoreBase):
     def get_meta(self, name: str) -> bytes | None:
         return self._get(self._meta_key(name))
 
-    def list_meta(self, prefix: str) -> list[MetaInfo]:
+    def list_meta(self, prefix: str) -> builtins.list[MetaInfo]:
         base = f"{self.prefix}meta/"
         out = []
         for obj in self._list(base + check_meta_name(prefix.rstrip("/")) + "/"):
