@@ -7,10 +7,16 @@ PY := $(VENV)/bin/python
 APT_PACKAGES := debootstrap nftables iproute2 procps libc-bin binutils
 STAMP := $(VENV)/.installed
 BUNDLE := /opt/aenv/runtime/py311/.complete
+CRIU := /usr/local/sbin/criu
+CRIU_VERSION := 4.2.1
 
-.PHONY: install run test test-fast bench lint clean
+.PHONY: install criu run test test-fast bench lint clean
 
-install: $(STAMP) $(BUNDLE)
+install: $(STAMP) $(BUNDLE) criu
+
+# CRIU for checkpoint/restore (pause, resume, snapshot, fork): built from source, ~70 s once.
+criu:
+	@$(CRIU) --version 2>/dev/null | grep -q "Version: $(CRIU_VERSION)$$" || bash scripts/install-criu.sh
 
 $(STAMP): pyproject.toml
 	@missing=$$(for p in $(APT_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q "ok installed" || echo $$p; done); \

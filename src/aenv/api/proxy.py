@@ -148,6 +148,7 @@ class SandboxProxy:
     def __init__(self, manager: SandboxManager) -> None:
         self.manager = manager
         self.pool = _Pool()
+        manager.on_stop_serving(self.pool.drop)
 
     def access_tokens(self) -> list[tuple[str, str]]:
         return [(sid, self.manager.get(sid).envd_access_token) for sid in self.manager.running_ids()]

@@ -28,6 +28,7 @@ from aenv.orchestrator.models import (
 )
 from aenv.orchestrator.store import Store
 from aenv.runtime.base import (
+    PausableDriver,
     ReadyShape,
     ResourceUsage,
     RuntimeDriver,
@@ -57,6 +58,7 @@ class SandboxManager:
         self._locks: dict[str, asyncio.Lock] = {}
         self._sweeper: asyncio.Task[None] | None = None
         self._creating = 0
+        self._stop_listeners: list[Callable[[str], None]] = []
 
     # ---------------------------------------------------------------- start / stop
     async def start(self) -> None:
@@ -174,17 +176,7 @@ class SandboxManager:
             auto_pause=req.auto_pause, auto_resume=req.auto_resume,
             allow_internet_access=req.allow_internet_access, runtime=self.driver.name,
         )
-        spec = SandboxSpec(
-            sandbox_id=rec.sandbox_id,
-            lower_layers=tuple(self.layout.layer(layer) for layer in tpl.layers),
-            workspace=self.layout.workspace(rec.sandbox_id),
-            cpu_count=rec.cpu_count, memory_mb=rec.memory_mb,
-            pids_max=self.config.sandbox.pids_max, env_vars=rec.env_vars,
-            envd_access_token=rec.envd_access_token, default_user=tpl.default_user,
-            default_workdir=tpl.default_workdir,
-            allow_internet_access=rec.allow_internet_access,
-            envd_port=self.config.sandbox.envd_port,
-        )
+        spec = self._spec(rec, tpl)
         self._creating += 1
         try:
             handle = await self.driver.create(spec)
@@ -198,6 +190,28 @@ class SandboxManager:
         self.store.put_sandbox(rec)
         return rec
 
+    def _spec(self, rec: SandboxRecord, tpl: TemplateRecord) -> SandboxSpec:
+        return SandboxSpec(
+            sandbox_id=rec.sandbox_id,
+            lower_layers=tuple(self.layout.layer(layer) for layer in tpl.layers),
+            workspace=self.layout.workspace(rec.sandbox_id),
+            cpu_count=rec.cpu_count, memory_mb=rec.memory_mb,
+            pids_max=self.config.sandbox.pids_max, env_vars=rec.env_vars,
+            envd_access_token=rec.envd_access_token, default_user=tpl.default_user,
+            default_workdir=tpl.default_workdir,
+            allow_internet_access=rec.allow_internet_access,
+            envd_port=self.config.sandbox.envd_port,
+        )
+
+    def on_stop_serving(self, listener: Callable[[str], None]) -> None:
+        """Call `listener(sandbox_id)` whenever a sandbox stops serving traffic (paused or
+        killed), so that holders of connections into it (the proxy's pool) drop them."""
+        self._stop_listeners.append(listener)
+
+    def _stopped_serving(self, sandbox_id: str) -> None:
+        for listener in self._stop_listeners:
+            listener(sandbox_id)
+
     def _handle(self, rec: SandboxRecord) -> RuntimeHandle:
         return RuntimeHandle(rec.runtime, rec.sandbox_id, rec.handle)
 
@@ -210,6 +224,7 @@ class SandboxManager:
         async with self._lock(sandbox_id):
             rec = self.get(sandbox_id)
             self._commit(replace(rec, state=SandboxState.KILLING))
+            self._stopped_serving(sandbox_id)
             try:
                 await self.driver.destroy(self._handle(rec))
             finally:
@@ -230,8 +245,7 @@ class SandboxManager:
         async with self._lock(sandbox_id):
             rec = self.get(sandbox_id)
             if rec.state is SandboxState.PAUSED:
-                raise AenvError(ErrorCode.NOT_SUPPORTED,
-                                f"resume is not supported by the {rec.runtime} runtime yet")
+                return await self._resume_locked(rec, timeout_s), True
             if rec.state is not SandboxState.RUNNING:
                 raise AenvError(ErrorCode.CONFLICT, f"sandbox {sandbox_id} is {rec.state.value}")
             end = max(rec.end_at, utcnow() + timedelta(seconds=timeout_s))
@@ -242,8 +256,34 @@ class SandboxManager:
             rec = self.get(sandbox_id)
             if rec.state is SandboxState.PAUSED:
                 raise AenvError(ErrorCode.CONFLICT, f"sandbox {sandbox_id} is already paused")
+            if rec.state is not SandboxState.RUNNING:
+                raise AenvError(ErrorCode.CONFLICT, f"sandbox {sandbox_id} is {rec.state.value}")
+            if not isinstance(self.driver, PausableDriver):
+                raise AenvError(ErrorCode.NOT_SUPPORTED,
+                                f"pause is not supported by the {rec.runtime} runtime yet")
+            self._commit(replace(rec, state=SandboxState.PAUSING))
+            self._stopped_serving(sandbox_id)
+            try:
+                handle = await self.driver.pause(self._handle(rec))
+            except BaseException:
+                # A failed checkpoint leaves the sandbox running (CRIU resumes it).
+                self._commit(rec)
+                raise
+            self._commit(replace(rec, state=SandboxState.PAUSED, handle=handle.data))
+
+    async def _resume_locked(self, rec: SandboxRecord, timeout_s: int) -> SandboxRecord:
+        if not isinstance(self.driver, PausableDriver):
             raise AenvError(ErrorCode.NOT_SUPPORTED,
-                            f"pause is not supported by the {rec.runtime} runtime yet")
+                            f"resume is not supported by the {rec.runtime} runtime yet")
+        spec = self._spec(rec, self.find_template(rec.template_id))
+        self._commit(replace(rec, state=SandboxState.RESUMING))
+        try:
+            handle = await self.driver.resume(self._handle(rec), spec)
+        except BaseException:
+            self._commit(rec)  # still paused: its image is intact
+            raise
+        return self._commit(replace(rec, state=SandboxState.RUNNING, handle=handle.data,
+                                    end_at=utcnow() + timedelta(seconds=timeout_s)))
 
     async def metrics(self, sandbox_id: str) -> tuple[datetime, ResourceUsage]:
         rec = self.get(sandbox_id)
@@ -254,6 +294,11 @@ class SandboxManager:
     async def open_port(self, sandbox_id: str, port: int) -> socket.socket:
         """A connection to `port` inside a running sandbox (the proxy's way in)."""
         rec = self.get(sandbox_id)
+        if rec.state is SandboxState.PAUSED and rec.auto_resume:
+            async with self._lock(sandbox_id):
+                rec = self.get(sandbox_id)
+                if rec.state is SandboxState.PAUSED:
+                    rec = await self._resume_locked(rec, self.config.sandbox.timeout_s)
         if rec.state is not SandboxState.RUNNING:
             raise AenvError(ErrorCode.UNAVAILABLE, f"sandbox {sandbox_id} is {rec.state.api_state}")
         return await self.driver.connect(self._handle(rec), port)

@@ -99,3 +99,15 @@ class RuntimeDriver(Protocol):
 
     async def destroy(self, handle: RuntimeHandle) -> None:
         """Stop every process of the sandbox and free its resources. Idempotent."""
+
+
+@runtime_checkable
+class PausableDriver(Protocol):
+    """A driver that can pause a sandbox (its whole state captured, CPU and memory released)
+    and resume it later, also after a server restart."""
+
+    async def pause(self, handle: RuntimeHandle) -> RuntimeHandle:
+        """Capture the sandbox and stop it. The returned handle locates the captured state."""
+
+    async def resume(self, handle: RuntimeHandle, spec: SandboxSpec) -> RuntimeHandle:
+        """Bring a paused sandbox back with its processes running; return its live handle."""
