@@ -59,8 +59,9 @@ def test_cannot_see_host_processes(pair: tuple[Sandbox, Sandbox]) -> None:
     marker = f"aenv-e2e-host-{uuid.uuid4().hex}"
     host = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", marker])
     try:
-        # positive control: the marker is visible in the host's /proc
-        assert marker in Path(f"/proc/{host.pid}/cmdline").read_text()
+        # positive control: the marker is visible in the host's /proc (once exec is done)
+        wait_until(lambda: marker in Path(f"/proc/{host.pid}/cmdline").read_text(), timeout=10,
+                   what="the host marker process to exec")
         out = a.commands.run("ps -e -o pid=,args=", user="root").stdout
         lines = [ln for ln in out.splitlines() if ln.strip()]
         assert len(lines) < 15, f"a sandbox should see only its own few processes:\n{out}"

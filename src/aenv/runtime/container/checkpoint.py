@@ -1,0 +1,518 @@
+"""CRIU checkpoint/restore of container sandboxes: pause/resume, snapshot, fork.
+
+A sandbox (see `zygote.py`) is a process tree whose PID 1 (envd) is a session leader in its
+own mnt/uts/ipc/net/pid/cgroup namespaces, with an overlay root (lowerdirs + the workspace's
+upper/work), tmpfs /dev, devpts, /proc, ro /sys, tmpfs /run/aenv and the runtime bundle
+bind-mounted read-only at its host path. `criu dump -t <init>` saves the whole tree and its
+namespaces into an image directory; `criu restore` recreates it:
+
+- **pause**: `dump(..., leave_running=False)` (CRIU kills the tree), later `restore()` into
+  the same workspace (same upper) and cgroups.
+- **snapshot**: `dump(..., leave_running=True, upper=...)`: CRIU's pre-dump action script
+  freezes the freezer cgroup and copies the upper layer into `<images>/upper` (reflink when
+  the filesystem can), CRIU dumps, and the cgroup is thawed. The source's pause is
+  `DumpStats.frozen_s`.
+- **fork / restore a snapshot**: `prepare_workspace()` copies the image's upper into a new
+  workspace, `create_cgroups()` makes the new sandbox's cgroups, `restore()` brings the copy
+  up (N of them may run concurrently from one image).
+
+`restore()` mounts the overlay root on the host at `<workspace>/rootfs` (private
+propagation) for CRIU's `--root`, runs CRIU from inside the target cgroups (so the restored
+tasks inherit them: `--manage-cgroups=ignore`; CRIU is also given a new cgroup namespace
+rooted there, which it does not restore itself), and detaches that host mount as soon as CRIU
+is done: the restored mount namespace holds its own reference to the overlay, so nothing of
+the sandbox stays mounted on the host. `unmount_root()` is the idempotent cleanup for a
+workspace (after a crash in the middle of a restore, or before removing the workspace).
+It returns once envd answers `GET /health` on its port inside the restored network
+namespace (a fresh one CRIU makes, or an existing one given with `netns=`, e.g. a network
+slot).
+
+Owns: image directories given to it, `<workspace>/rootfs` and `<workspace>/criu` (CRIU's
+restore work dir with its log), the cgroup directories `create_cgroups()` makes.
+Must not touch: the sandbox's processes other than through CRIU and the freezer cgroup; any
+other host mount.
+
+Needs CRIU 4.2.1 at /usr/local/sbin/criu (`scripts/install-criu.sh`); see
+docs/criu-notes.md for why that version and these flags.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aenv.errors import AenvError, ErrorCode
+from aenv.runtime import pybundle
+from aenv.runtime.container import cgroups, linux
+
+CRIU = Path("/usr/local/sbin/criu")
+CRIU_MIN_VERSION = (4, 2)
+BUNDLE_KEY = "py311"  # the --external key of the runtime bundle's bind mount
+ROOTFS = "rootfs"  # <workspace>/rootfs: the host-side overlay mount for --root
+WORKDIR = "criu"  # <workspace>/criu: CRIU's restore work dir (log, lazy-pages socket)
+UPPER_COPY = "upper"  # <images>/upper: the upper layer copied while frozen (snapshots)
+DUMP_LOG = "dump.log"
+RESTORE_LOG = "restore.log"
+_LOG_TAIL = 15
+# Error lines CRIU logs on every run on these hosts, which mean nothing (docs/criu-notes.md).
+_HARMLESS = re.compile(r"RLIMIT_NOFILE|iptables|ip6tables|Address already assigned|"
+                       r"--network-lock")
+_HOOK = "aenv-hook.sh"
+_HOOK_MARKS = "aenv-hook.times"
+# CRIU's --action-script, run by `sh -c` with CRTOOLS_SCRIPT_ACTION set. At pre-dump (before
+# CRIU freezes anything, but after its start-up), freeze the cgroup ourselves: CRIU then
+# finds it FROZEN at once instead of polling every 100 ms; then copy the upper (snapshots).
+# Wall-clock marks (date +%s.%N) go to $AENV_MARKS (<images>/aenv-hook.times) for DumpStats.
+_HOOK_SCRIPT = r"""#!/bin/sh
+set -e
+[ "$CRTOOLS_SCRIPT_ACTION" = pre-dump ] || exit 0
+echo "start $(date +%s.%N)" > "$AENV_MARKS"
+echo FROZEN > "$AENV_FREEZER/freezer.state"
+while [ "$(cat "$AENV_FREEZER/freezer.state")" != FROZEN ]; do :; done
+echo "frozen $(date +%s.%N)" >> "$AENV_MARKS"
+if [ -n "${AENV_UPPER:-}" ]; then
+    cp -a --reflink=auto -- "$AENV_UPPER" "$AENV_UPPER_COPY"
+    echo "copied $(date +%s.%N)" >> "$AENV_MARKS"
+fi
+"""
+
+_criu_version: str | None = None
+_background: set[asyncio.Task[None]] = set()  # lazy-pages daemons being waited for
+
+
+@dataclass(frozen=True)
+class DumpStats:
+    """Timings of one dump, in seconds. `frozen_s`: how long the sandbox was not running
+    (for a pause, from the start of CRIU's dump until it killed the tree)."""
+
+    frozen_s: float
+    copy_s: float  # the upper layer's copy (0 without one)
+    criu_s: float  # the `criu dump` process
+    total_s: float
+    image_bytes: int
+    log: Path
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    pid: int  # the restored PID 1, on the host
+    start_time: int  # its start time (linux.proc_start_time), for handles
+    timings: dict[str, float] = field(default_factory=dict)
+    log: Path | None = None
+
+
+# --------------------------------------------------------------------------- criu binary
+
+
+async def check_criu(criu: Path = CRIU) -> str:
+    """CRIU's version string; AenvError(NOT_SUPPORTED) if it is missing or too old."""
+    global _criu_version
+    if _criu_version is not None and criu == CRIU:
+        return _criu_version
+    hint = "run scripts/install-criu.sh (as root) to install CRIU 4.2.1"
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            str(criu), "--version", stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        out, _ = await proc.communicate()
+    except OSError as exc:
+        raise AenvError(ErrorCode.NOT_SUPPORTED, f"criu not usable at {criu} ({exc}): {hint}"
+                        ) from None
+    m = re.search(rb"Version:\s*(\d+)\.(\d+)(?:\.(\d+))?", out)
+    if proc.returncode != 0 or m is None:
+        raise AenvError(ErrorCode.NOT_SUPPORTED,
+                        f"criu at {criu} does not report a version: {hint}")
+    version = ".".join(g.decode() for g in m.groups() if g is not None)
+    if (int(m.group(1)), int(m.group(2))) < CRIU_MIN_VERSION:
+        raise AenvError(ErrorCode.NOT_SUPPORTED,
+                        f"criu {version} at {criu} is too old (need >= 4.2): {hint}")
+    if criu == CRIU:
+        _criu_version = version
+    return version
+
+
+def _log_tail(log: Path, lines: int = _LOG_TAIL) -> str:
+    try:
+        text = log.read_text(errors="replace").splitlines()
+    except OSError as exc:
+        return f"(no log: {exc})"
+    text = [ln for ln in text if not _HARMLESS.search(ln)]
+    errors = [ln for ln in text if "Error" in ln]
+    tail = text[-lines:]
+    # The first error lines usually name the cause; the tail shows where it stopped.
+    picked = [ln for ln in errors[:5] if ln not in tail] + tail
+    return "\n".join(picked)
+
+
+async def _run_criu(args: list[str], log: Path, what: str, criu: Path,
+                    cgroup_dirs: Sequence[Path] = (), env: dict[str, str] | None = None
+                    ) -> float:
+    """Run criu to completion; seconds taken. Joins `cgroup_dirs` first (in the child)."""
+    def join_cgroups() -> None:
+        for d in cgroup_dirs:  # "0": this (single-threaded, just forked) process
+            fd = os.open(os.path.join(d, "tasks"), os.O_WRONLY)
+            try:
+                os.write(fd, b"0")
+            finally:
+                os.close(fd)
+        if cgroup_dirs:
+            # The sandbox's cgroup namespace is rooted at its cgroup set (CRIU does not
+            # restore cgroup namespaces with --manage-cgroups=ignore): the restored tasks
+            # inherit this one.
+            linux.unshare(linux.CLONE_NEWCGROUP)
+
+    t0 = time.monotonic()
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            str(criu), *args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, env=env,
+            preexec_fn=join_cgroups if cgroup_dirs else None)
+    except (OSError, subprocess.SubprocessError) as exc:  # incl. a failing preexec_fn
+        raise AenvError(ErrorCode.INTERNAL, f"{what}: cannot start criu: {exc}") from None
+    out, _ = await proc.communicate()
+    if proc.returncode != 0:
+        msg = out.decode(errors="replace").strip()[-500:]
+        raise AenvError(ErrorCode.INTERNAL,
+                        f"{what} failed (criu exit {proc.returncode}; log {log}):\n"
+                        f"{_log_tail(log)}" + (f"\n{msg}" if msg else ""))
+    return time.monotonic() - t0
+
+
+# --------------------------------------------------------------------------- freezer
+
+
+def _freezer_state(freezer: Path) -> str:
+    return (freezer / "freezer.state").read_text().strip()
+
+
+async def freeze(freezer: Path, timeout: float = 10.0) -> None:
+    """Freeze every task of a v1 freezer cgroup; returns once they all are."""
+    (freezer / "freezer.state").write_text("FROZEN")
+    deadline = time.monotonic() + timeout
+    delay = 0.0002
+    while _freezer_state(freezer) != "FROZEN":
+        if time.monotonic() > deadline:
+            with contextlib.suppress(OSError):
+                (freezer / "freezer.state").write_text("THAWED")
+            raise AenvError(ErrorCode.INTERNAL, f"cgroup {freezer} does not freeze")
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.01)
+
+
+def thaw(freezer: Path) -> None:
+    (freezer / "freezer.state").write_text("THAWED")
+
+
+# --------------------------------------------------------------------------- files
+
+
+async def _copy_tree(src: Path, dst: Path) -> None:
+    """`cp -a --reflink=auto`: keeps owners, modes, xattrs (overlay's), whiteouts (0:0
+    char devices), hard links and sparse files; shares blocks where the filesystem can."""
+    proc = await asyncio.create_subprocess_exec(
+        "cp", "-a", "--reflink=auto", "--", str(src), str(dst),
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, err = await proc.communicate()
+    if proc.returncode != 0:
+        raise AenvError(ErrorCode.INTERNAL,
+                        f"copying {src} to {dst}: {err.decode(errors='replace').strip()}")
+
+
+def _tree_bytes(root: Path) -> int:
+    total = 0
+    for dirpath, _dirs, files in os.walk(root):
+        for f in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, f)).st_size
+    return total
+
+
+async def prepare_workspace(images_dir: Path, workspace: Path) -> None:
+    """A new workspace for a restore of a snapshot image: `<workspace>/upper` copied from
+    `<images>/upper`, an empty `<workspace>/work`."""
+    src = images_dir / UPPER_COPY
+    if not src.is_dir():
+        raise AenvError(ErrorCode.INVALID_ARGUMENT, f"image {images_dir} has no upper layer")
+    workspace.mkdir(parents=True, exist_ok=True)
+    if (workspace / "upper").exists():
+        raise AenvError(ErrorCode.CONFLICT, f"workspace {workspace} is in use")
+    await _copy_tree(src, workspace / "upper")
+    (workspace / "work").mkdir(exist_ok=True)
+
+
+# --------------------------------------------------------------------------- cgroups
+
+
+def create_cgroups(layout: cgroups.CgroupLayout, sandbox_id: str, *, memory_mb: int,
+                   cpu_count: int, pids_max: int) -> list[Path]:
+    """The cgroup set of a sandbox made by restore (what the fork-server does for a create):
+    device rules and limits. Returns the directories to give `restore(cgroup_dirs=...)`.
+    Blocking (a few ms)."""
+    cfg = layout.zygote_config()
+    static: dict[str, list[tuple[str, str, bool]]] = cfg["static"]  # type: ignore[assignment]
+    limits = layout.limits(memory_mb, cpu_count, pids_max)
+    dirs = []
+    for ctrl in cgroups.CONTROLLERS:
+        path = layout.path(ctrl, sandbox_id)
+        path.mkdir(mode=0o755)
+        dirs.append(path)
+        for file, value, required in [*static.get(ctrl, ()), *limits.get(ctrl, ())]:
+            try:
+                (path / file).write_text(value)
+            except FileNotFoundError:
+                if required:
+                    raise
+    return dirs
+
+
+def cgroup_dirs(layout: cgroups.CgroupLayout, sandbox_id: str) -> list[Path]:
+    """The existing cgroup set of `sandbox_id` (e.g. a paused sandbox's, for a resume)."""
+    return [layout.path(ctrl, sandbox_id) for ctrl in cgroups.CONTROLLERS]
+
+
+# --------------------------------------------------------------------------- dump
+
+
+async def dump(init_pid: int, images_dir: Path, *, freezer: Path, leave_running: bool,
+               upper: Path | None = None, bundle: Path = pybundle.BUNDLE_DIR,
+               criu: Path = CRIU) -> DumpStats:
+    """Checkpoint the sandbox whose PID 1 is `init_pid` (host pid) into `images_dir` (made
+    if missing; must hold no image yet). `freezer`: the sandbox's v1 freezer cgroup.
+
+    leave_running=False (pause): CRIU kills the tree after the dump; the workspace's upper
+    stays as it is and is reused by the resume.
+    leave_running=True (snapshot): the tree keeps running. With `upper`, it is copied to
+    `<images>/upper` while the tree is frozen, so that files and memory agree.
+
+    The cgroup is frozen by CRIU's pre-dump hook (after CRIU's own start-up, and without
+    CRIU's 100 ms freezer polling) and thawed when CRIU is done, whatever happened: a failed
+    dump leaves the sandbox running, a pause leaves an empty, thawed cgroup for the resume.
+    """
+    await check_criu(criu)
+    t0 = time.monotonic()
+    images_dir.mkdir(parents=True, exist_ok=True)
+    if (images_dir / "inventory.img").exists():
+        raise AenvError(ErrorCode.CONFLICT, f"{images_dir} already holds an image")
+    log = images_dir / DUMP_LOG
+    hook = images_dir / _HOOK
+    hook.write_text(_HOOK_SCRIPT)
+    hook.chmod(0o700)
+    env = {**os.environ, "AENV_FREEZER": str(freezer),
+           "AENV_MARKS": str(images_dir / _HOOK_MARKS)}
+    if upper is not None and leave_running:
+        env |= {"AENV_UPPER": str(upper), "AENV_UPPER_COPY": str(images_dir / UPPER_COPY)}
+    args = ["dump", "-t", str(init_pid), "-D", str(images_dir), "-o", DUMP_LOG,
+            "--external", f"mnt[{bundle}]:{BUNDLE_KEY}",
+            "--manage-cgroups=ignore", "--network-lock", "nftables",
+            "--freeze-cgroup", str(freezer), "--tcp-close",
+            "--action-script", str(hook)]
+    if leave_running:
+        args.append("--leave-running")
+    try:
+        criu_s = await _run_criu(args, log, f"criu dump of pid {init_pid}", criu, env=env)
+    finally:
+        with contextlib.suppress(OSError):
+            thaw(freezer)
+        thawed_at = time.time()
+    marks = {}
+    for line in (images_dir / _HOOK_MARKS).read_text().splitlines():
+        key, _, value = line.partition(" ")
+        marks[key] = float(value)
+    hook.unlink()
+    size = await asyncio.to_thread(_tree_bytes, images_dir)
+    return DumpStats(frozen_s=thawed_at - marks["frozen"],
+                     copy_s=marks.get("copied", marks["frozen"]) - marks["frozen"],
+                     criu_s=criu_s, total_s=time.monotonic() - t0, image_bytes=size, log=log)
+
+
+# --------------------------------------------------------------------------- restore
+
+
+def mount_root(workspace: Path, lower: Sequence[Path]) -> Path:
+    """Mount the sandbox's overlay root (lowerdirs top first, `<workspace>/upper`,
+    `<workspace>/work`) at `<workspace>/rootfs`, private. Blocking."""
+    target = workspace / ROOTFS
+    target.mkdir(exist_ok=True)
+    opts = (f"lowerdir={':'.join(str(p) for p in lower)},upperdir={workspace / 'upper'},"
+            f"workdir={workspace / 'work'}")
+    linux.mount("overlay", str(target), "overlay", 0, opts)
+    try:
+        linux.mount(None, str(target), None, linux.MS_PRIVATE)
+    except OSError:
+        linux.umount2(str(target), linux.MNT_DETACH)
+        raise
+    return target
+
+
+def unmount_root(workspace: Path) -> None:
+    """Detach `<workspace>/rootfs` if mounted and remove it. Idempotent; blocking. The
+    driver calls it before removing a workspace a restore used."""
+    target = workspace / ROOTFS
+    for _ in range(8):  # stacked mounts (a retried restore)
+        try:
+            linux.umount2(str(target), linux.MNT_DETACH)
+        except OSError:
+            break
+    with contextlib.suppress(OSError):
+        target.rmdir()
+
+
+async def restore(images_dir: Path, *, workspace: Path, lower: Sequence[Path],
+                  cgroup_dirs: Sequence[Path], envd_port: int = 49983,
+                  netns: Path | None = None, lazy: bool = False,
+                  bundle: Path = pybundle.BUNDLE_DIR, ready_timeout: float = 30.0,
+                  criu: Path = CRIU) -> RestoreResult:
+    """Bring back the tree saved in `images_dir` with its root overlay on `lower` +
+    `<workspace>/upper` (+ `/work`), its tasks in `cgroup_dirs` (which must exist), in the
+    network namespace `netns` (a file such as a network slot's /run/aenv/netns/<slot>;
+    None: a fresh loopback-only one made by CRIU). lazy: memory pages are served on demand
+    by a `criu lazy-pages` daemon (it exits by itself once every page is pushed).
+
+    Returns once envd answers on `envd_port` inside the restored network namespace.
+    """
+    await check_criu(criu)
+    t0 = time.monotonic()
+    timings: dict[str, float] = {}
+    work = workspace / WORKDIR
+    if work.exists():
+        await asyncio.to_thread(shutil.rmtree, work, True)
+    work.mkdir(parents=True)
+    (workspace / "work").mkdir(exist_ok=True)
+    pidfile = work / "pid"
+    log = work / RESTORE_LOG
+    try:
+        await asyncio.to_thread(mount_root, workspace, lower)
+    except OSError as exc:
+        raise AenvError(ErrorCode.INTERNAL, f"restore: overlay root in {workspace}: {exc}"
+                        ) from None
+    timings["mount"] = time.monotonic() - t0
+    args = ["restore", "-d", "-D", str(images_dir), "-W", str(work), "-o", RESTORE_LOG,
+            "--root", str(workspace / ROOTFS), "--pidfile", str(pidfile),
+            "--external", f"mnt[{BUNDLE_KEY}]:{bundle}",
+            "--manage-cgroups=ignore", "--tcp-close"]
+    if netns is not None:
+        args += ["--join-ns", f"net:{netns}"]
+    daemon: asyncio.subprocess.Process | None = None
+    try:
+        if lazy:
+            daemon = await _start_lazy_daemon(images_dir, work, criu)
+            args.append("--lazy-pages")
+            timings["lazy_daemon"] = time.monotonic() - t0 - timings["mount"]
+        timings["criu"] = await _run_criu(args, log, f"criu restore of {images_dir}", criu,
+                                          cgroup_dirs)
+    except BaseException:
+        if daemon is not None and daemon.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                daemon.kill()
+            await daemon.wait()
+        raise
+    finally:
+        # The restored mount namespace keeps the overlay alive on its own.
+        await asyncio.to_thread(unmount_root, workspace)
+    if daemon is not None:
+        _watch(daemon)
+    pid = int(pidfile.read_text().split()[0])
+    start_time = linux.proc_start_time(pid)
+    if start_time is None:
+        raise AenvError(ErrorCode.INTERNAL, f"restored init {pid} exited at once (log {log})")
+    t_ready = time.monotonic()
+    await wait_ready(pid, envd_port, timeout=ready_timeout)
+    timings["ready"] = time.monotonic() - t_ready
+    timings["total"] = time.monotonic() - t0
+    return RestoreResult(pid=pid, start_time=start_time, timings=timings, log=log)
+
+
+async def _start_lazy_daemon(images_dir: Path, work: Path, criu: Path
+                             ) -> asyncio.subprocess.Process:
+    log = work / "lazy-pages.log"
+    proc = await asyncio.create_subprocess_exec(
+        str(criu), "lazy-pages", "-D", str(images_dir), "-W", str(work),
+        "-o", "lazy-pages.log", stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL)
+    sock = work / "lazy-pages.socket"
+    deadline = time.monotonic() + 10
+    while not sock.exists():
+        if proc.returncode is not None or time.monotonic() > deadline:
+            if proc.returncode is None:
+                proc.kill()
+            await proc.wait()
+            raise AenvError(ErrorCode.INTERNAL,
+                            f"criu lazy-pages did not start (log {log}):\n{_log_tail(log)}")
+        await asyncio.sleep(0.001)
+    return proc
+
+
+def _watch(proc: asyncio.subprocess.Process) -> None:
+    """Reap a lazy-pages daemon once it has pushed every page."""
+    async def wait() -> None:
+        await proc.wait()
+
+    task = asyncio.get_running_loop().create_task(wait())
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+
+
+async def wait_lazy_daemons() -> None:
+    """Wait for every lazy-pages daemon started by restore() (tests, shutdown)."""
+    while _background:
+        await asyncio.gather(*list(_background), return_exceptions=True)
+
+
+async def wait_ready(pid: int, port: int, timeout: float = 30.0) -> None:
+    """Until envd (pid `pid`'s network namespace, 127.0.0.1:`port`) answers GET /health."""
+    deadline = time.monotonic() + timeout
+    last = ""
+    delay = 0.001
+    while True:
+        try:
+            sock = _socket_in_netns(pid)
+        except OSError as exc:
+            raise AenvError(ErrorCode.UNAVAILABLE, f"restored sandbox {pid} is gone: {exc}"
+                            ) from None
+        try:
+            loop = asyncio.get_running_loop()
+            async with asyncio.timeout(max(deadline - time.monotonic(), 0.01)):
+                await loop.sock_connect(sock, ("127.0.0.1", port))
+                await loop.sock_sendall(
+                    sock, b"GET /health HTTP/1.1\r\nHost: envd\r\nConnection: close\r\n\r\n")
+                reply = await loop.sock_recv(sock, 64)
+            if reply.startswith(b"HTTP/1.1 2"):
+                return
+            last = repr(reply[:64])
+        except (OSError, TimeoutError) as exc:
+            last = str(exc) or type(exc).__name__
+        finally:
+            sock.close()
+        if time.monotonic() > deadline:
+            raise AenvError(ErrorCode.TIMEOUT,
+                            f"restored envd (pid {pid}) not ready on :{port}: {last}")
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+def _socket_in_netns(pid: int) -> socket.socket:
+    """A non-blocking TCP socket created in `pid`'s network namespace (setns of this thread
+    and back, with no await in between)."""
+    host = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        target = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            linux.setns(target, linux.CLONE_NEWNET)
+            try:
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            finally:
+                linux.setns(host, linux.CLONE_NEWNET)
+        finally:
+            os.close(target)
+    finally:
+        os.close(host)
+    sock.setblocking(False)
+    return sock

@@ -1,0 +1,321 @@
+"""CRIU checkpoint/restore of real container sandboxes (`aenv.runtime.container.checkpoint`):
+pause/resume, snapshot, fork, and their timings (run with -s to see them).
+
+Needs CRIU >= 4.2 at /usr/local/sbin/criu (`scripts/install-criu.sh`); skipped otherwise.
+Restored sandboxes are described by plain `RuntimeHandle`s, so the driver's connect() and
+destroy() work on them as on any sandbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import statistics
+import subprocess
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import pytest
+from conftest import CreateFn
+from runtime_helpers import cgroup_read, http, new_id, run
+
+from aenv.errors import AenvError, ErrorCode
+from aenv.runtime.base import RuntimeHandle
+from aenv.runtime.container import checkpoint as ck
+from aenv.runtime.container import linux
+from aenv.runtime.container.driver import ContainerDriver
+
+pytestmark = pytest.mark.skipif(
+    not ck.CRIU.exists(), reason="CRIU not installed: run scripts/install-criu.sh")
+
+FREEZER = Path("/sys/fs/cgroup/freezer/aenv")
+COUNTER = ("(nohup bash -c 'i=0; while :; do i=$((i+1)); echo $i > /root/cnt.tmp; "
+           "mv /root/cnt.tmp /root/cnt; sleep 0.05; done' >/dev/null 2>&1 &)")
+# A python process that keeps a random secret and a request count in memory only; a request
+# is a line written to one FIFO, the answer comes back on another.
+HOLDER = r"""
+import secrets
+secret, n = secrets.token_hex(8), 0
+while True:
+    with open('/root/req') as f:
+        f.read()
+    n += 1
+    with open('/root/resp', 'w') as f:
+        f.write(f'{secret} {n}\n')
+"""
+ASK = "echo > /root/req && cat /root/resp"
+
+RestoreFn = Callable[..., Awaitable[RuntimeHandle]]
+
+
+async def start_workload(driver: ContainerDriver, handle: RuntimeHandle,
+                         token: str | None = None) -> None:
+    holder = HOLDER.replace("'", "'\"'\"'")
+    r = await run(driver, handle,
+                  f"mkfifo /root/req /root/resp && echo before > /root/file && {COUNTER} && "
+                  f"(nohup python3 -c '{holder}' >/dev/null 2>&1 &) && "
+                  "until [ -s /root/cnt ]; do sleep 0.01; done", token=token)
+    assert r.exit_code == 0, r
+
+
+async def counter(driver: ContainerDriver, handle: RuntimeHandle,
+                  token: str | None = None) -> int:
+    r = await run(driver, handle, "cat /root/cnt", token=token)
+    assert r.exit_code == 0, r
+    return int(r.stdout)
+
+
+async def ask(driver: ContainerDriver, handle: RuntimeHandle,
+              token: str | None = None) -> tuple[str, int]:
+    r = await run(driver, handle, ASK, token=token, timeout=10)
+    assert r.exit_code == 0, r
+    secret, n = r.stdout.split()
+    return secret, int(n)
+
+
+def freezer(sandbox_id: str) -> Path:
+    return FREEZER / sandbox_id
+
+
+@pytest.fixture
+async def restore_new(driver: ContainerDriver, rootfs: Path, home: Path
+                      ) -> AsyncIterator[RestoreFn]:
+    """restore_new(images, netns=None, lazy=False) -> handle of a new sandbox (own id,
+    workspace with a copy of the image's upper, cgroups), destroyed afterwards."""
+    made: list[RuntimeHandle] = []
+
+    async def _restore(images: Path, netns: Path | None = None,
+                       lazy: bool = False) -> RuntimeHandle:
+        sid = new_id()
+        ws = home / "sandboxes" / sid
+        handle = RuntimeHandle("container", sid, {"workspace": str(ws), "envd_port": 49983})
+        made.append(handle)
+        await ck.prepare_workspace(images, ws)
+        dirs = await asyncio.to_thread(ck.create_cgroups, driver.cgroups, sid, memory_mb=256,
+                                       cpu_count=1, pids_max=256)
+        res = await ck.restore(images, workspace=ws, lower=[driver.driver_layer, rootfs],
+                               cgroup_dirs=dirs, netns=netns, lazy=lazy)
+        handle.data |= {"pid": res.pid, "start_time": res.start_time,
+                        "restore_timings": res.timings}
+        return handle
+
+    yield _restore
+    await ck.wait_lazy_daemons()
+    for handle in made:
+        await asyncio.to_thread(ck.unmount_root, Path(handle.data["workspace"]))
+        await driver.destroy(handle)
+
+
+def forget(driver: ContainerDriver, sandbox_id: str) -> None:
+    """Drop the driver's cached pid/netns of a sandbox that was paused (what the driver's
+    own resume will do)."""
+    live = driver._live.pop(sandbox_id, None)
+    if live is not None and live.netns_fd is not None:
+        os.close(live.netns_fd)
+
+
+# ------------------------------------------------------------------ semantics
+
+
+async def test_criu_version() -> None:
+    version = await ck.check_criu()
+    assert tuple(int(x) for x in version.split(".")[:2]) >= (4, 2)
+    with pytest.raises(AenvError) as err:
+        await ck.check_criu(Path("/nonexistent/criu"))
+    assert err.value.code == ErrorCode.NOT_SUPPORTED
+    assert "install-criu.sh" in err.value.message
+
+
+@pytest.mark.slow
+async def test_pause_resume(driver: ContainerDriver, create: CreateFn, rootfs: Path,
+                            tmp_path: Path) -> None:
+    token = secrets.token_urlsafe(16)
+    handle = await create(envd_access_token=token)
+    sid, pid = handle.sandbox_id, handle.data["pid"]
+    await start_workload(driver, handle, token)
+    secret, n0 = await ask(driver, handle, token)
+    await asyncio.sleep(0.3)
+    before = await counter(driver, handle, token)
+    mem_before = int(cgroup_read(sid, "memory", "memory.usage_in_bytes"))
+
+    stats = await ck.dump(pid, tmp_path / "img", freezer=freezer(sid), leave_running=False)
+    print(f"\npause: frozen {stats.frozen_s * 1e3:.0f} ms, criu {stats.criu_s * 1e3:.0f} ms, "
+          f"total {stats.total_s * 1e3:.0f} ms, image {stats.image_bytes / 2**20:.1f} MiB")
+    assert linux.proc_start_time(pid) is None  # gone
+    assert driver.cgroups.pids(sid) == []
+    assert int(cgroup_read(sid, "memory", "memory.usage_in_bytes")) < mem_before
+    assert cgroup_read(sid, "freezer", "freezer.state").strip() == "THAWED"
+
+    forget(driver, sid)
+    ws = Path(handle.data["workspace"])
+    res = await ck.restore(tmp_path / "img", workspace=ws, lower=[driver.driver_layer, rootfs],
+                           cgroup_dirs=ck.cgroup_dirs(driver.cgroups, sid))
+    print(f"resume: {res.timings}")
+    handle.data |= {"pid": res.pid, "start_time": res.start_time}
+    assert not (ws / ck.ROOTFS).exists()  # nothing of the restore stays mounted on the host
+    assert str(res.pid) in cgroup_read(sid, "pids", "cgroup.procs").split()
+    after = await counter(driver, handle, token)
+    assert after >= before  # continued, not restarted
+    assert await ask(driver, handle, token) == (secret, n0 + 1)
+    r = await run(driver, handle, "cat /root/file; hostname; cat /proc/self/cgroup", token=token)
+    assert r.stdout.splitlines()[:2] == ["before", sid]
+    assert "/aenv/" not in r.stdout  # the cgroup namespace is rooted at the sandbox's set
+    await asyncio.sleep(0.2)
+    assert await counter(driver, handle, token) > after  # still counting
+    status, _, _ = await http(driver, handle, "GET", "/envs")
+    assert status == 401  # the same token is still required
+
+
+@pytest.mark.slow
+async def test_snapshot_restore_is_independent(driver: ContainerDriver, create: CreateFn,
+                                               restore_new: RestoreFn, tmp_path: Path) -> None:
+    src = await create()
+    await start_workload(driver, src)
+    secret, n0 = await ask(driver, src)
+    before = await counter(driver, src)
+    ws = Path(src.data["workspace"])
+    stats = await ck.dump(src.data["pid"], tmp_path / "img", freezer=freezer(src.sandbox_id),
+                          leave_running=True, upper=ws / "upper")
+    print(f"\nsnapshot: source frozen {stats.frozen_s * 1e3:.0f} ms (upper copy "
+          f"{stats.copy_s * 1e3:.0f} ms), criu {stats.criu_s * 1e3:.0f} ms, "
+          f"total {stats.total_s * 1e3:.0f} ms")
+    # The source keeps running.
+    assert linux.proc_start_time(src.data["pid"]) == src.data["start_time"]
+    assert cgroup_read(src.sandbox_id, "freezer", "freezer.state").strip() == "THAWED"
+    assert await ask(driver, src) == (secret, n0 + 1)
+    await asyncio.sleep(0.2)
+    assert await counter(driver, src) > before
+
+    copy = await restore_new(tmp_path / "img")
+    print(f"restore: {copy.data['restore_timings']}")
+    assert str(copy.data["pid"]) in cgroup_read(copy.sandbox_id, "pids", "cgroup.procs").split()
+    assert await counter(driver, copy) >= before
+    assert await ask(driver, copy) == (secret, n0 + 1)  # memory as it was at the snapshot
+    assert (await run(driver, copy, "cat /root/file")).stdout == "before\n"
+    await run(driver, copy, "echo copy > /root/only-copy && echo copy > /root/file")
+    await run(driver, src, "echo src > /root/only-src")
+    assert (await run(driver, src, "cat /root/file; ls /root")).stdout.split()[0] == "before"
+    assert "only-copy" not in (await run(driver, src, "ls /root")).stdout
+    assert "only-src" not in (await run(driver, copy, "ls /root")).stdout
+    # Killing the copy leaves the source alone.
+    await driver.destroy(copy)
+    assert await ask(driver, src) == (secret, n0 + 2)
+
+
+@pytest.mark.slow
+async def test_fork_four(driver: ContainerDriver, create: CreateFn, restore_new: RestoreFn,
+                         tmp_path: Path) -> None:
+    src = await create()
+    await start_workload(driver, src)
+    secret, n0 = await ask(driver, src)
+    ws = Path(src.data["workspace"])
+    await ck.dump(src.data["pid"], tmp_path / "img", freezer=freezer(src.sandbox_id),
+                  leave_running=True, upper=ws / "upper")
+    # One copy joins an existing network namespace (as a network slot would be), the others
+    # get a fresh one from CRIU.
+    ns = f"aenv-ckpt-{secrets.token_hex(4)}"
+    await asyncio.to_thread(subprocess.run, ["ip", "netns", "add", ns], check=True)
+    try:
+        await asyncio.to_thread(subprocess.run, ["ip", "-n", ns, "link", "set", "lo", "up"],
+                                check=True)
+        t0 = time.monotonic()
+        forks = await asyncio.gather(
+            restore_new(tmp_path / "img", netns=Path(f"/run/netns/{ns}")),
+            *[restore_new(tmp_path / "img", lazy=(i == 0)) for i in range(3)])
+        print(f"\nfork x4 (one lazy, one joining a netns): {time.monotonic() - t0:.3f} s")
+        pids = {f.data["pid"] for f in forks}
+        assert len(pids) == 4
+        joined = os.stat(f"/proc/{forks[0].data['pid']}/ns/net")
+        slot = os.stat(f"/run/netns/{ns}")
+        assert (joined.st_dev, joined.st_ino) == (slot.st_dev, slot.st_ino)
+        inodes = {os.stat(f"/proc/{f.data['pid']}/ns/net").st_ino for f in forks}
+        assert len(inodes) == 4
+        for f in forks:
+            assert await ask(driver, f) == (secret, n0 + 1)
+            await run(driver, f, f"echo {f.sandbox_id} > /root/me")
+        for f in forks:
+            assert (await run(driver, f, "cat /root/me")).stdout.strip() == f.sandbox_id
+            procs = cgroup_read(f.sandbox_id, "pids", "cgroup.procs").split()
+            assert str(f.data["pid"]) in procs
+        assert "me" not in (await run(driver, src, "ls /root")).stdout.split()
+        assert await ask(driver, src) == (secret, n0 + 1)
+        for f in forks:
+            await driver.destroy(f)
+    finally:
+        await asyncio.to_thread(subprocess.run, ["ip", "netns", "del", ns], check=False)
+
+
+async def test_errors_carry_the_log(driver: ContainerDriver, create: CreateFn,
+                                    tmp_path: Path) -> None:
+    handle = await create()
+    # A wrong freezer: the pre-dump hook fails, CRIU gives up, the sandbox runs on.
+    with pytest.raises(AenvError) as err:
+        await ck.dump(handle.data["pid"], tmp_path / "img", freezer=tmp_path / "nofreezer",
+                      leave_running=True)
+    assert err.value.code == ErrorCode.INTERNAL
+    assert str(tmp_path / "img" / ck.DUMP_LOG) in err.value.message
+    assert "Error" in err.value.message
+    assert linux.proc_start_time(handle.data["pid"]) == handle.data["start_time"]
+    assert (await run(driver, handle, "echo ok")).stdout == "ok\n"
+    # An image directory with no image.
+    ws = tmp_path / "ws"
+    (ws / "upper").mkdir(parents=True)
+    with pytest.raises(AenvError) as err:
+        await ck.restore(tmp_path / "empty", workspace=ws, lower=[driver.driver_layer],
+                         cgroup_dirs=())
+    assert err.value.code == ErrorCode.INTERNAL
+    assert "restore.log" in err.value.message
+    assert not (ws / ck.ROOTFS).exists()
+
+
+# ------------------------------------------------------------------ numbers
+
+
+def _ms(values: list[float]) -> str:
+    return f"p50 {statistics.median(values) * 1e3:.0f} ms (n={len(values)})"
+
+
+@pytest.mark.slow
+async def test_bench_idle(driver: ContainerDriver, create: CreateFn, restore_new: RestoreFn,
+                          rootfs: Path, tmp_path: Path) -> None:
+    """Timings for an idle sandbox (envd only), printed with -s."""
+    frozen: list[float] = []
+    dumps: list[float] = []
+    pauses: list[float] = []
+    resumes: list[float] = []
+    forks: dict[int, list[float]] = {1: [], 4: [], 16: []}
+    image = tmp_path / "snap-0"
+    for i in range(3):
+        src = await create()
+        ws = Path(src.data["workspace"])
+        stats = await ck.dump(src.data["pid"], tmp_path / f"snap-{i}",
+                              freezer=freezer(src.sandbox_id), leave_running=True,
+                              upper=ws / "upper")
+        frozen.append(stats.frozen_s)
+        dumps.append(stats.total_s)
+        stats = await ck.dump(src.data["pid"], tmp_path / f"pause-{i}",
+                              freezer=freezer(src.sandbox_id), leave_running=False)
+        pauses.append(stats.total_s)
+        forget(driver, src.sandbox_id)
+        t0 = time.monotonic()
+        res = await ck.restore(tmp_path / f"pause-{i}", workspace=ws,
+                               lower=[driver.driver_layer, rootfs],
+                               cgroup_dirs=ck.cgroup_dirs(driver.cgroups, src.sandbox_id))
+        resumes.append(time.monotonic() - t0)
+        src.data |= {"pid": res.pid, "start_time": res.start_time}
+        await driver.destroy(src)
+    for n, runs in ((1, 3), (4, 3), (16, 2)):
+        for _ in range(runs):
+            t0 = time.monotonic()
+            made = await asyncio.gather(*[restore_new(image) for _ in range(n)])
+            forks[n].append(time.monotonic() - t0)
+            for h in made:
+                await driver.destroy(h)
+    print(f"\nidle sandbox, CRIU {await ck.check_criu()}:\n"
+          f"  snapshot: source frozen {_ms(frozen)}, total {_ms(dumps)}\n"
+          f"  pause (dump + kill): {_ms(pauses)}\n"
+          f"  resume -> envd ready: {_ms(resumes)}\n"
+          + "".join(f"  fork x{n} -> all envds ready: {_ms(v)}\n" for n, v in forks.items()))
+
