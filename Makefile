@@ -16,7 +16,7 @@ install: $(STAMP) $(BUNDLE) criu
 
 # CRIU for checkpoint/restore (pause, resume, snapshot, fork): built from source, ~70 s once.
 criu:
-	@$(CRIU) --version 2>/dev/null | grep -q "Version: $(CRIU_VERSION)$$" || bash scripts/install-criu.sh
+	@bash scripts/install-criu.sh
 
 $(STAMP): pyproject.toml
 	@missing=$$(for p in $(APT_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q "ok installed" || echo $$p; done); \

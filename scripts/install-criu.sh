@@ -29,8 +29,15 @@ MIRROR=http://deb.debian.org/debian
 
 log() { echo "install-criu: $*" >&2; }
 
-if [[ -z "${CRIU_FORCE:-}" && -x "$DEST" ]] && "$DEST" --version 2>/dev/null | grep -q "Version: ${VERSION}\$"; then
-    log "$DEST is already CRIU $VERSION"
+# Our patches on top of upstream; the build id changes whenever they do, so a host with an
+# older build of ours rebuilds.
+HERE=$(cd "$(dirname "$0")" && pwd)
+PATCHES=("$HERE/criu-rlimits-from-proc.patch")
+BUILD_ID="$VERSION+$(cat "${PATCHES[@]}" | sha256sum | cut -c1-12)"
+BUILD_ID_FILE="$PREFIX/share/aenv/criu-build-id"
+
+if [[ -z "${CRIU_FORCE:-}" && -x "$DEST" && "$(cat "$BUILD_ID_FILE" 2>/dev/null)" == "$BUILD_ID" ]]; then
+    log "$DEST is already CRIU $BUILD_ID"
     exit 0
 fi
 [[ $(id -u) -eq 0 ]] || { log "must run as root"; exit 1; }
@@ -47,7 +54,7 @@ fi
 # server), libdrm (amdgpu plugin).
 BUILD_DEPS=(build-essential pkg-config libprotobuf-c-dev protobuf-c-compiler protobuf-compiler libprotobuf-dev
             libnl-3-dev libnet1-dev libcap-dev uuid-dev libnftables-dev libbsd-dev
-            xz-utils ca-certificates curl)
+            xz-utils ca-certificates curl patch)
 missing=()
 for p in "${BUILD_DEPS[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
@@ -102,10 +109,14 @@ tb=$(fetch_tarball)
 log "building from $tb"
 tar -C "$WORK" -xf "$tb"
 src="$WORK/criu-$VERSION"
+for p in "${PATCHES[@]}"; do
+    patch -d "$src" -p1 --forward --quiet < "$p"
+done
 # `make criu` builds compel, soccr and the criu binary only (no docs, no
 # python libs, no plugins).
 make -C "$src" -j"$(nproc)" criu >"$WORK/build.log" 2>&1 || { tail -40 "$WORK/build.log" >&2; exit 1; }
 install -D -m 0755 "$src/criu/criu" "$DEST"
+install -D -m 0644 /dev/null "$BUILD_ID_FILE" && echo "$BUILD_ID" > "$BUILD_ID_FILE"
 log "installed $("$DEST" --version | tr '\n' ' ')"
 # Report what the kernel supports (non-fatal: missing soft-dirty is expected
 # on some hosts, which only disables incremental pre-dump).

@@ -15,16 +15,6 @@ import pytest
 from aenv.devserver import ServerProcess, prepare_home
 
 
-def kill_all(srv: ServerProcess) -> None:
-    """Sandboxes outlive their server by design (restarts re-attach), so tests remove them."""
-    import httpx
-
-    headers = {"X-API-Key": srv.api_key}
-    with httpx.Client(base_url=srv.url, headers=headers, timeout=60) as http:
-        for sbx in http.get("/v2/sandboxes", params={"limit": 1000}).json():
-            http.delete(f"/sandboxes/{sbx['sandboxID']}")
-
-
 @pytest.fixture(scope="session")
 def server() -> Iterator[ServerProcess]:
     """One server for the whole session; tests must clean up the sandboxes they create."""
@@ -34,7 +24,7 @@ def server() -> Iterator[ServerProcess]:
     saved = dict(os.environ)
     os.environ.update(srv.sdk_env())
     yield srv
-    kill_all(srv)
+    srv.remove_all_sandboxes()
     srv.stop()
     os.environ.clear()
     os.environ.update(saved)

@@ -71,6 +71,16 @@ class ServerProcess:
         self.stop()
         raise TimeoutError(f"aenv serve not ready after {ready_timeout}s")
 
+    def remove_all_sandboxes(self) -> None:
+        """Sandboxes outlive their server by design (restarts re-attach), so test and
+        benchmark runs remove what they made before stopping the server."""
+        import httpx
+
+        with httpx.Client(base_url=self.url, headers={"X-API-Key": self.api_key},
+                          timeout=60) as http:
+            for sbx in http.get("/v2/sandboxes", params={"limit": 1000}).json():
+                http.delete(f"/sandboxes/{sbx['sandboxID']}")
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(sig)

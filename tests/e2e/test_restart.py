@@ -10,17 +10,10 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import pytest
 from e2b import Sandbox, SandboxQuery, SandboxState
 
 from aenv.devserver import ServerProcess, prepare_home
-
-
-def _remove_all(srv: ServerProcess) -> None:
-    with httpx.Client(base_url=srv.url, headers={"X-API-Key": srv.api_key}, timeout=60) as http:
-        for sbx in http.get("/v2/sandboxes", params={"limit": 1000}).json():
-            http.delete(f"/sandboxes/{sbx['sandboxID']}")
 
 
 @pytest.fixture
@@ -51,7 +44,7 @@ def test_concurrent_creates_on_a_fresh_server(fresh_home: Path) -> None:
         assert not errors, f"{len(errors)}/5 concurrent creates failed: {errors!r}"
         assert len({s.sandbox_id for s in created}) == 5
     finally:
-        _remove_all(srv)
+        srv.remove_all_sandboxes()
         srv.stop()
 
 
@@ -85,5 +78,5 @@ def test_sandboxes_survive_a_server_restart(fresh_home: Path) -> None:
         assert Sandbox.list(query=SandboxQuery(metadata=tag), **opts).next_items() == []
     finally:
         if srv.proc is not None and srv.proc.poll() is None:
-            _remove_all(srv)
+            srv.remove_all_sandboxes()
         srv.stop()

@@ -56,6 +56,8 @@ from aenv.runtime.container import cgroups, linux
 
 CRIU = Path("/usr/local/sbin/criu")
 CRIU_MIN_VERSION = (4, 2)
+NETNS_KEY = "aenv-netns"  # CRIU's name for a network namespace kept outside the image
+NETNS_MARK = "netns-external"  # present in an image taken with an external netns
 BUNDLE_KEY = "py311"  # the --external key of the runtime bundle's bind mount
 ROOTFS = "rootfs"  # <workspace>/rootfs: the host-side overlay mount for --root
 WORKDIR = "criu"  # <workspace>/criu: CRIU's restore work dir (log, lazy-pages socket)
@@ -153,8 +155,8 @@ def _log_tail(log: Path, lines: int = _LOG_TAIL) -> str:
 
 
 async def _run_criu(args: list[str], log: Path, what: str, criu: Path,
-                    cgroup_dirs: Sequence[Path] = (), env: dict[str, str] | None = None
-                    ) -> float:
+                    cgroup_dirs: Sequence[Path] = (), env: dict[str, str] | None = None,
+                    pass_fds: Sequence[int] = ()) -> float:
     """Run criu to completion; seconds taken. Joins `cgroup_dirs` first (in the child)."""
     def join_cgroups() -> None:
         for d in cgroup_dirs:  # "0": this (single-threaded, just forked) process
@@ -173,7 +175,7 @@ async def _run_criu(args: list[str], log: Path, what: str, criu: Path,
     try:
         proc = await asyncio.create_subprocess_exec(
             str(criu), *args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, env=env,
+            stderr=subprocess.STDOUT, env=env, pass_fds=pass_fds,
             preexec_fn=join_cgroups if cgroup_dirs else None)
     except (OSError, subprocess.SubprocessError) as exc:  # incl. a failing preexec_fn
         raise AenvError(ErrorCode.INTERNAL, f"{what}: cannot start criu: {exc}") from None
@@ -283,7 +285,7 @@ def cgroup_dirs(layout: cgroups.CgroupLayout, sandbox_id: str) -> list[Path]:
 
 async def dump(init_pid: int, images_dir: Path, *, freezer: Path, leave_running: bool,
                upper: Path | None = None, bundle: Path = pybundle.BUNDLE_DIR,
-               criu: Path = CRIU) -> DumpStats:
+               external_netns: bool = False, criu: Path = CRIU) -> DumpStats:
     """Checkpoint the sandbox whose PID 1 is `init_pid` (host pid) into `images_dir` (made
     if missing; must hold no image yet). `freezer`: the sandbox's v1 freezer cgroup.
 
@@ -291,6 +293,8 @@ async def dump(init_pid: int, images_dir: Path, *, freezer: Path, leave_running:
     stays as it is and is reused by the resume.
     leave_running=True (snapshot): the tree keeps running. With `upper`, it is copied to
     `<images>/upper` while the tree is frozen, so that files and memory agree.
+    external_netns: the sandbox's network namespace belongs to the host side (a network
+    slot with a veth to the bridge): it is not dumped, and the restore must be given one.
 
     The cgroup is frozen by CRIU's pre-dump hook (after CRIU's own start-up, and without
     CRIU's 100 ms freezer polling) and thawed when CRIU is done, whatever happened: a failed
@@ -316,6 +320,10 @@ async def dump(init_pid: int, images_dir: Path, *, freezer: Path, leave_running:
             "--action-script", str(hook)]
     if leave_running:
         args.append("--leave-running")
+    if external_netns:
+        inode = os.stat(f"/proc/{init_pid}/ns/net").st_ino
+        args += ["--external", f"net[{inode}]:{NETNS_KEY}"]
+        (images_dir / NETNS_MARK).touch()
     try:
         criu_s = await _run_criu(args, log, f"criu dump of pid {init_pid}", criu, env=env)
     finally:
@@ -398,7 +406,16 @@ async def restore(images_dir: Path, *, workspace: Path, lower: Sequence[Path],
             "--root", str(workspace / ROOTFS), "--pidfile", str(pidfile),
             "--external", f"mnt[{BUNDLE_KEY}]:{bundle}",
             "--manage-cgroups=ignore", "--tcp-close"]
-    if netns is not None:
+    netns_fd: int | None = None
+    if (images_dir / NETNS_MARK).exists():
+        # The image left its network namespace out: hand CRIU the one to use instead.
+        if netns is None:
+            raise AenvError(ErrorCode.INVALID_ARGUMENT,
+                            f"{images_dir} was taken with an external network namespace; "
+                            "the restore needs one")
+        netns_fd = os.open(netns, os.O_RDONLY)
+        args += ["--inherit-fd", f"fd[{netns_fd}]:{NETNS_KEY}"]
+    elif netns is not None:
         args += ["--join-ns", f"net:{netns}"]
     daemon: asyncio.subprocess.Process | None = None
     try:
@@ -407,7 +424,8 @@ async def restore(images_dir: Path, *, workspace: Path, lower: Sequence[Path],
             args.append("--lazy-pages")
             timings["lazy_daemon"] = time.monotonic() - t0 - timings["mount"]
         timings["criu"] = await _run_criu(args, log, f"criu restore of {images_dir}", criu,
-                                          cgroup_dirs)
+                                          cgroup_dirs, pass_fds=(() if netns_fd is None
+                                                                 else (netns_fd,)))
     except BaseException:
         if daemon is not None and daemon.returncode is None:
             with contextlib.suppress(ProcessLookupError):
@@ -415,6 +433,8 @@ async def restore(images_dir: Path, *, workspace: Path, lower: Sequence[Path],
             await daemon.wait()
         raise
     finally:
+        if netns_fd is not None:
+            os.close(netns_fd)
         # The restored mount namespace keeps the overlay alive on its own.
         await asyncio.to_thread(unmount_root, workspace)
     if daemon is not None:

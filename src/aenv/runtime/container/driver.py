@@ -53,7 +53,7 @@ from aenv.config import Config
 from aenv.errors import AenvError, ErrorCode
 from aenv.runtime import pybundle
 from aenv.runtime.base import ReadyShape, ResourceUsage, RuntimeHandle, SandboxSpec
-from aenv.runtime.container import cgroups, linux
+from aenv.runtime.container import cgroups, checkpoint, linux
 from aenv.runtime.container.network import NetworkPool
 
 _ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")  # a hostname label and a path component
@@ -792,6 +792,57 @@ class ContainerDriver:
             disk_total_bytes=self.config.sandbox.disk_size_mb * 2**20,
         )
 
+    # ------------------------------------------------------------------ pause / resume
+    async def pause(self, handle: RuntimeHandle) -> RuntimeHandle:
+        """Checkpoint the whole sandbox with CRIU into its workspace and stop it: its memory
+        and CPU go back to the host; its cgroups, workspace (upper) and image stay. Its network
+        slot goes back to the pool; the resume takes a fresh one."""
+        sid = handle.sandbox_id
+        live = self._live_of(handle)
+        if not self._alive(live):
+            raise AenvError(ErrorCode.UNAVAILABLE, f"sandbox {sid} is not running")
+        data = dict(handle.data)
+        images = Path(data["workspace"]) / "checkpoints" / f"pause-{time.time_ns()}"
+        stats = await checkpoint.dump(live.pid, images, freezer=self.cgroups.path("freezer", sid),
+                                      leave_running=False, bundle=self.bundle,
+                                      external_netns=bool(data.get("slot")))
+        self.last_timings = {"frozen": stats.frozen_s, "total": stats.total_s}
+        self._live.pop(sid, None)
+        if live.netns_fd is not None:
+            os.close(live.netns_fd)
+        if data.get("slot"):
+            await self._ensure_network()
+            await self.network.release(str(data["slot"]))
+        data.update(pid=None, start_time=None, slot=None, address=None, images=str(images))
+        return RuntimeHandle(self.name, sid, data)
+
+    async def resume(self, handle: RuntimeHandle, spec: SandboxSpec) -> RuntimeHandle:
+        sid = handle.sandbox_id
+        data = dict(handle.data)
+        images = data.get("images")
+        if not images or not Path(images).is_dir():
+            raise AenvError(ErrorCode.NOT_FOUND, f"sandbox {sid}: no paused image to resume from")
+        slot = None
+        if spec.allow_internet_access:
+            await self._ensure_network()
+            slot = await self.network.acquire()
+        try:
+            result = await checkpoint.restore(
+                Path(images), workspace=Path(data["workspace"]),
+                lower=[self.driver_layer, *spec.lower_layers],
+                cgroup_dirs=checkpoint.cgroup_dirs(self.cgroups, sid),
+                envd_port=spec.envd_port, netns=slot.path if slot else None, bundle=self.bundle)
+        except BaseException:
+            if slot is not None:
+                await self.network.release(slot.name)
+            raise
+        self.last_timings = dict(result.timings)
+        self._live[sid] = _Live(result.pid, result.start_time, cpu_ns=0, cpu_at=time.monotonic())
+        data.update(pid=result.pid, start_time=result.start_time, images=None,
+                    slot=slot.name if slot else None, address=slot.address if slot else None)
+        self._background(asyncio.to_thread(shutil.rmtree, images, True))
+        return RuntimeHandle(self.name, sid, data)
+
     async def destroy(self, handle: RuntimeHandle) -> None:
         pid = handle.data.get("pid")
         await self._cleanup(handle.sandbox_id, handle.data, int(pid) if pid else None,
@@ -815,6 +866,7 @@ class ContainerDriver:
             await self.network.release(str(data["slot"]))
         workspace = data.get("workspace")
         if workspace:
+            checkpoint.unmount_root(Path(workspace))  # a restore that crashed half-way
             await asyncio.to_thread(shutil.rmtree, workspace, True)
 
     async def _kill_cgroup(self, sandbox_id: str, timeout: float = 10.0) -> None:

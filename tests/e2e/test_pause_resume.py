@@ -1,0 +1,134 @@
+"""Pause and resume through the official SDK: processes keep running from where they were,
+memory and files survive, and paused sandboxes survive a `kill -9` of the server."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from e2b import Sandbox, SandboxQuery, SandboxState
+from e2e_helpers import wait_until
+
+from aenv.devserver import ServerProcess, prepare_home
+
+COUNTER = "nohup bash -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.05; done' >/dev/null 2>&1 &"
+# A python process keeping a value only in memory; it answers on a fifo with value and a
+# request count, so a restart from scratch (count back to 1) would show.
+HOLDER = r"""nohup python3 -c '
+import os, random
+secret = random.getrandbits(64); n = 0
+os.mkfifo("/tmp/ask"); os.mkfifo("/tmp/answer")
+while True:
+    open("/tmp/ask").read(); n += 1
+    with open("/tmp/answer", "w") as f: f.write(f"{secret} {n}")
+' >/dev/null 2>&1 &"""
+ASK = "echo > /tmp/ask & cat /tmp/answer"
+
+
+def counter(s: Sandbox) -> int:
+    return int(s.files.read("/tmp/counter").strip())
+
+
+def keeps_counting(s: Sandbox, past: int) -> None:
+    wait_until(lambda: counter(s) > past, 5, what="the counter to keep counting")
+
+
+def ask(s: Sandbox) -> tuple[str, int]:
+    secret, n = s.commands.run(ASK).stdout.split()
+    return secret, int(n)
+
+
+def test_pause_connect_resumes_processes_memory_and_files(run_id: str) -> None:
+    s = Sandbox.create(metadata={"e2e-pause": run_id}, envs={"KEPT": "env"}, timeout=120)
+    try:
+        s.commands.run(COUNTER)
+        s.commands.run(HOLDER)
+        wait_until(lambda: s.files.exists("/tmp/ask"), 10, what="the holder's fifo")
+        secret, n = ask(s)
+        assert n == 1
+        s.files.write("/home/user/before.txt", "written before pause")
+        for cycle in range(2):
+            before = counter(s)
+            assert s.pause() is True
+            assert s.get_info().state == SandboxState.PAUSED
+            assert s.is_running() is False
+            assert s.pause() is False  # already paused: 409 -> False
+            time.sleep(0.5)  # a paused counter does not advance
+            s = Sandbox.connect(s.sandbox_id)
+            after = counter(s)
+            assert before <= after <= before + 3, (before, after)  # continued, not restarted
+            keeps_counting(s, after)
+            assert ask(s) == (secret, n + 1 + cycle)
+            assert s.files.read("/home/user/before.txt") == "written before pause"
+            assert s.commands.run("echo $KEPT").stdout == "env\n"
+            assert s.get_info().state == SandboxState.RUNNING
+    finally:
+        s.kill()
+
+
+def test_kill_a_paused_sandbox(run_id: str) -> None:
+    s = Sandbox.create(metadata={"e2e-pause-kill": run_id}, timeout=60)
+    assert s.pause() is True
+    assert s.kill() is True
+    assert Sandbox.list(query=SandboxQuery(metadata={"e2e-pause-kill": run_id})).next_items() == []
+
+
+def test_expiry_with_auto_pause_false_deletes(run_id: str) -> None:
+    meta = {"e2e-autopause": run_id}
+    s = Sandbox.create(metadata=meta, timeout=2, lifecycle={"on_timeout": "kill"})
+    try:
+        wait_until(lambda: not Sandbox.list(query=SandboxQuery(metadata=meta)).next_items(), 15,
+                   what="the sandbox to be deleted on expiry")
+    finally:
+        s.kill()
+
+
+def test_connect_extends_a_running_sandbox(run_id: str) -> None:
+    s = Sandbox.create(metadata={"e2e-extend": run_id}, timeout=30)
+    try:
+        end = s.get_info().end_at
+        Sandbox.connect(s.sandbox_id, timeout=300)
+        assert (s.get_info().end_at - end).total_seconds() > 200
+        Sandbox.connect(s.sandbox_id, timeout=5)  # never shortens
+        assert (s.get_info().end_at - end).total_seconds() > 200
+    finally:
+        s.kill()
+
+
+@pytest.fixture
+def own_home() -> Iterator[Path]:
+    home = prepare_home("aenv-e2e-pause-")
+    yield home
+    shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_paused_sandbox_survives_kill_9_of_the_server(own_home: Path) -> None:
+    srv = ServerProcess(home=own_home, api_key="pause-key").start(ready_timeout=300)
+    opts = {"api_key": srv.api_key, "api_url": srv.url, "sandbox_url": srv.url}
+    tag = {"e2e-pause-restart": uuid.uuid4().hex[:10]}
+    try:
+        s = Sandbox.create(metadata=tag, timeout=300, **opts)
+        s.commands.run(COUNTER)
+        s.files.write("/home/user/keep.txt", "survives")
+        wait_until(lambda: s.files.exists("/tmp/counter"), 5, what="the counter")
+        assert s.pause() is True
+        srv.stop(sig=signal.SIGKILL)
+        srv = ServerProcess(home=own_home, port=srv.port, api_key=srv.api_key).start(ready_timeout=300)
+        listed = Sandbox.list(query=SandboxQuery(metadata=tag), **opts).next_items()
+        assert [(x.sandbox_id, x.state) for x in listed] == [(s.sandbox_id, SandboxState.PAUSED)]
+        for _ in range(2):  # and it still pauses and resumes after the restart
+            again = Sandbox.connect(s.sandbox_id, **opts)
+            assert again.files.read("/home/user/keep.txt") == "survives"
+            keeps_counting(again, counter(again))
+            assert again.pause() is True
+        assert Sandbox.kill(s.sandbox_id, **opts) is True
+    finally:
+        if srv.proc is not None and srv.proc.poll() is None:
+            srv.remove_all_sandboxes()
+        srv.stop()
