@@ -16,18 +16,22 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from aenv.api.errors import STATUS_BY_CODE
 from aenv.api.schemas import (
     ConnectSandbox,
+    ForkBody,
     NewSandbox,
     PauseBody,
+    SnapshotBody,
     TimeoutBody,
     detail_body,
     listed_body,
     metric_body,
     sandbox_body,
+    snapshot_body,
 )
 from aenv.config import Config
-from aenv.errors import invalid
+from aenv.errors import AenvError, invalid, not_found
 from aenv.orchestrator.manager import SandboxManager
 from aenv.orchestrator.models import CreateRequest, ListQuery
 
@@ -77,6 +81,11 @@ class SandboxRoutes:
             Route("/sandboxes/{sandbox_id}/resume", self.connect, methods=["POST"]),
             Route("/sandboxes/{sandbox_id}/pause", self.pause, methods=["POST"]),
             Route("/sandboxes/{sandbox_id}/metrics", self.metrics, methods=["GET"]),
+            Route("/sandboxes/{sandbox_id}/snapshots", self.create_snapshot, methods=["POST"]),
+            Route("/sandboxes/{sandbox_id}/fork", self.fork, methods=["POST"]),
+            Route("/snapshots", self.list_snapshots, methods=["GET"]),
+            Route("/snapshots/{snapshot_id}", self.get_snapshot, methods=["GET"]),
+            Route("/templates/{template_id}", self.delete_template, methods=["DELETE"]),
         ]
 
     async def create(self, request: Request) -> Response:
@@ -170,3 +179,45 @@ class SandboxRoutes:
         at, usage = await self.manager.metrics(sandbox_id)
         body: list[dict[str, Any]] = [metric_body(at, rec.cpu_count, usage)]
         return JSONResponse(body)
+
+    async def create_snapshot(self, request: Request) -> Response:
+        body = await parse_body(request, SnapshotBody, allow_empty=True)
+        tpl = await self.manager.snapshot(request.path_params["sandbox_id"], body.name)
+        return JSONResponse(snapshot_body(tpl), status_code=201)
+
+    async def list_snapshots(self, request: Request) -> Response:
+        q = request.query_params
+        limit_raw, offset_raw = q.get("limit", "100"), q.get("nextToken", "0")
+        if not limit_raw.isdigit() or not 1 <= int(limit_raw) <= 1000:
+            raise invalid("limit must be an integer between 1 and 1000")
+        if not offset_raw.isdigit():
+            raise invalid("nextToken is not a token this server issued")
+        limit, offset = int(limit_raw), int(offset_raw)
+        items = self.manager.list_snapshots(q.get("sandboxID"), q.get("name"))
+        page = items[offset:offset + limit]
+        more = offset + limit < len(items)
+        headers = {"X-Next-Token": str(offset + limit)} if more else {}
+        return JSONResponse([snapshot_body(t) for t in page], headers=headers)
+
+    async def get_snapshot(self, request: Request) -> Response:
+        tpl = self.manager.find_template(request.path_params["snapshot_id"])
+        if tpl.image is None:
+            raise not_found(f"snapshot '{tpl.template_id}' not found")
+        return JSONResponse(snapshot_body(tpl))
+
+    async def delete_template(self, request: Request) -> Response:
+        await self.manager.delete_template(request.path_params["template_id"])
+        return Response(status_code=204)
+
+    async def fork(self, request: Request) -> Response:
+        body = await parse_body(request, ForkBody, allow_empty=True)
+        results = await self.manager.fork(request.path_params["sandbox_id"], body.count,
+                                          body.timeout)
+        out: list[dict[str, Any]] = []
+        for result in results:
+            if isinstance(result, AenvError):
+                status = STATUS_BY_CODE[result.code]
+                out.append({"error": {"code": status, "message": result.message}})
+            else:
+                out.append({"sandbox": sandbox_body(result, self.domain)})
+        return JSONResponse(out, status_code=201)

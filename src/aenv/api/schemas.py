@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from aenv.envd.settings import ENVD_VERSION
-from aenv.orchestrator.models import SandboxRecord
+from aenv.orchestrator.models import SandboxRecord, TemplateRecord
 from aenv.runtime.base import ResourceUsage
 
 
@@ -46,6 +46,23 @@ class TimeoutBody(_Body):
 
 class PauseBody(_Body):
     memory: bool | None = None
+
+
+class SnapshotBody(_Body):
+    name: str | None = Field(default=None, min_length=1, max_length=128,
+                             pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class ForkBody(_Body):
+    count: int = 1
+    timeout: int | None = None
+
+
+def snapshot_body(tpl: TemplateRecord) -> dict[str, Any]:
+    return {"snapshotID": tpl.template_id, "names": tpl.names,
+            "cpuCount": tpl.cpu_count, "memoryMB": tpl.memory_mb, "diskSizeMB": tpl.disk_size_mb,
+            **({"sandboxID": tpl.source_sandbox} if tpl.source_sandbox else {}),
+            **({"createdAt": _ts(tpl.created_at)} if tpl.created_at else {})}
 
 
 def _ts(value: datetime) -> str:

@@ -11,10 +11,12 @@ import asyncio
 import base64
 import json
 import logging
+import shutil
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 from aenv.config import Config
 from aenv.errors import AenvError, ErrorCode, invalid, not_found
@@ -34,12 +36,14 @@ from aenv.runtime.base import (
     RuntimeDriver,
     RuntimeHandle,
     SandboxSpec,
+    SnapshotDriver,
 )
 from aenv.storage.layout import Layout
 
 log = logging.getLogger("aenv.orchestrator")
 
 SWEEP_INTERVAL_S = 0.5
+MAX_FORK = 100  # children per fork call (the API limit; 16 is the case we optimise)
 
 
 def utcnow() -> datetime:
@@ -176,10 +180,16 @@ class SandboxManager:
             auto_pause=req.auto_pause, auto_resume=req.auto_resume,
             allow_internet_access=req.allow_internet_access, runtime=self.driver.name,
         )
+        if tpl.allow_internet_access is not None:
+            rec.allow_internet_access = tpl.allow_internet_access  # a copy keeps its network
         spec = self._spec(rec, tpl)
         self._creating += 1
         try:
-            handle = await self.driver.create(spec)
+            if tpl.image is not None:
+                handle = await self._snapshot_driver().restore(spec, Path(tpl.image),
+                                                               tpl.image_token)
+            else:
+                handle = await self.driver.create(spec)
         finally:
             self._creating -= 1
         rec.handle = handle.data
@@ -284,6 +294,92 @@ class SandboxManager:
             raise
         return self._commit(replace(rec, state=SandboxState.RUNNING, handle=handle.data,
                                     end_at=utcnow() + timedelta(seconds=timeout_s)))
+
+    # ---------------------------------------------------------------- snapshots and forks
+    def _snapshot_driver(self) -> SnapshotDriver:
+        if not isinstance(self.driver, SnapshotDriver):
+            raise AenvError(ErrorCode.NOT_SUPPORTED,
+                            f"snapshots are not supported by the {self.driver.name} runtime")
+        return self.driver
+
+    async def snapshot(self, sandbox_id: str, name: str | None = None) -> TemplateRecord:
+        """Capture a running sandbox (paused only while it is frozen) as a template that new
+        sandboxes start from, by id or name."""
+        driver = self._snapshot_driver()
+        if name is not None and self.store.find_template(name) is not None:
+            raise AenvError(ErrorCode.CONFLICT, f"a template or snapshot named '{name}' exists")
+        async with self._lock(sandbox_id):
+            rec = self.get(sandbox_id)
+            if rec.state is not SandboxState.RUNNING:
+                raise AenvError(ErrorCode.CONFLICT, f"sandbox {sandbox_id} is {rec.state.value}")
+            source = self.find_template(rec.template_id)
+            snapshot_id = "snap" + new_sandbox_id()[4:]
+            images = self.layout.snapshot(snapshot_id)
+            try:
+                await driver.snapshot(self._handle(rec), images)
+            except BaseException:
+                await asyncio.to_thread(shutil.rmtree, images, True)
+                raise
+        tpl = TemplateRecord(
+            template_id=snapshot_id, names=[name] if name else [], layers=source.layers,
+            cpu_count=rec.cpu_count, memory_mb=rec.memory_mb, disk_size_mb=rec.disk_size_mb,
+            default_user=source.default_user, default_workdir=source.default_workdir,
+            env_vars=dict(rec.env_vars), created_at=utcnow(), image=str(images),
+            image_token=rec.envd_access_token, source_sandbox=sandbox_id,
+            allow_internet_access=rec.allow_internet_access)
+        self.store.put_template(tpl)
+        return tpl
+
+    def list_snapshots(self, sandbox_id: str | None = None, name: str | None = None
+                       ) -> list[TemplateRecord]:
+        return [t for t in self.store.iter_templates() if t.image is not None
+                and (sandbox_id is None or t.source_sandbox == sandbox_id)
+                and (name is None or name in t.names)]
+
+    async def delete_template(self, id_or_name: str) -> None:
+        tpl = self.find_template(id_or_name)
+        if tpl.image is None and tpl.template_id == "base":
+            raise AenvError(ErrorCode.CONFLICT, "the base template cannot be deleted")
+        self.store.delete_template(tpl.template_id)
+        if tpl.image is not None:
+            await asyncio.to_thread(shutil.rmtree, tpl.image, True)
+
+    async def fork(self, sandbox_id: str, count: int, timeout_s: int | None
+                   ) -> list[SandboxRecord | AenvError]:
+        """`count` independent children of a running sandbox, each with the parent's memory,
+        processes, files, environment and limits. The parent is paused only while it is
+        captured. One child failing does not affect the others or the parent."""
+        if not 1 <= count <= MAX_FORK:
+            raise invalid(f"count must be between 1 and {MAX_FORK}, got {count}")
+        parent = self.get(sandbox_id)
+        timeout = timeout_s if timeout_s is not None else max(
+            1, int((parent.end_at - utcnow()).total_seconds()))
+        self._check_timeout(timeout)
+        tpl = await self.snapshot(sandbox_id)
+        try:
+            results = await asyncio.gather(*[
+                self.create(CreateRequest(template=tpl.template_id, timeout_s=timeout,
+                                          metadata=dict(parent.metadata),
+                                          auto_pause=parent.auto_pause,
+                                          auto_resume=parent.auto_resume))
+                for _ in range(count)], return_exceptions=True)
+        finally:
+            await self.delete_template(tpl.template_id)
+        out: list[SandboxRecord | AenvError] = []
+        for result in results:
+            if isinstance(result, SandboxRecord | AenvError):
+                out.append(result)
+            elif isinstance(result, Exception):
+                log.error("fork child of %s failed: %r", sandbox_id, result)
+                out.append(AenvError(ErrorCode.INTERNAL, f"fork failed: {type(result).__name__}"))
+            else:
+                raise result
+        for child in out:  # children are records of their own, not of the fork's image
+            if isinstance(child, SandboxRecord):
+                child.template_id = parent.template_id
+                child.alias = parent.alias
+                self._commit(child)
+        return out
 
     async def metrics(self, sandbox_id: str) -> tuple[datetime, ResourceUsage]:
         rec = self.get(sandbox_id)

@@ -41,6 +41,11 @@ class TemplateRecord:
     default_workdir: str | None = None
     env_vars: dict[str, str] = field(default_factory=dict)
     created_at: datetime | None = None
+    # Snapshots are templates whose sandboxes start from a captured image, not a boot:
+    image: str | None = None  # the image directory
+    image_token: str | None = None  # envd's access token inside the image
+    source_sandbox: str | None = None
+    allow_internet_access: bool | None = None  # the source's network mode, kept by copies
 
 
 @dataclass

@@ -111,3 +111,16 @@ class PausableDriver(Protocol):
 
     async def resume(self, handle: RuntimeHandle, spec: SandboxSpec) -> RuntimeHandle:
         """Bring a paused sandbox back with its processes running; return its live handle."""
+
+
+@runtime_checkable
+class SnapshotDriver(Protocol):
+    """A driver that can capture a running sandbox into an image (briefly pausing it) and
+    start independent copies of it from that image (create-from-snapshot, fork)."""
+
+    async def snapshot(self, handle: RuntimeHandle, images: Path) -> dict[str, float]:
+        """Capture the sandbox into the directory `images`; it keeps running."""
+
+    async def restore(self, spec: SandboxSpec, images: Path, image_token: str | None
+                      ) -> RuntimeHandle:
+        """Start the sandbox `spec` from `images`, with `spec`'s identity and token."""

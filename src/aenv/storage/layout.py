@@ -39,6 +39,13 @@ class Layout:
         return self.sandboxes_dir / sandbox_id
 
     @property
+    def snapshots_dir(self) -> Path:
+        return self.home / "snapshots"
+
+    def snapshot(self, snapshot_id: str) -> Path:
+        return self.snapshots_dir / snapshot_id
+
+    @property
     def run_dir(self) -> Path:
         return self.home / "run"
 
@@ -47,7 +54,8 @@ class Layout:
         return self.home / "cache"
 
     def ensure(self) -> None:
-        for d in (self.home, self.layers_dir, self.sandboxes_dir, self.run_dir, self.cache_dir):
+        for d in (self.home, self.layers_dir, self.sandboxes_dir, self.run_dir, self.cache_dir,
+                  self.snapshots_dir):
             d.mkdir(parents=True, exist_ok=True)
         self.secrets_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
 

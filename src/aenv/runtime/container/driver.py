@@ -596,11 +596,16 @@ class ContainerDriver:
                 data["workspace"] = str(spec.workspace)
         except OSError:
             pass  # another filesystem, or something is there: it stays in the pool dir
+        self._set_identity(sid, live, data)
+
+    def _set_identity(self, sid: str, live: _Live, data: dict[str, Any]) -> None:
+        """Hostname and /etc/hostname, /etc/hosts of a sandbox that was made under another
+        name (a pool sandbox, or a copy restored from another sandbox's image)."""
         # Hostname: the sandbox's UTS namespace, for this thread only, and back.
         fd = os.open(f"/proc/{live.pid}/ns/uts", os.O_RDONLY | os.O_CLOEXEC)
         try:
             if not self._alive(live):  # checked after opening: the fd is surely its
-                raise AenvError(ErrorCode.UNAVAILABLE, f"pool sandbox {name} is gone")
+                raise AenvError(ErrorCode.UNAVAILABLE, f"sandbox {sid} is gone")
             linux.setns(fd, linux.CLONE_NEWUTS)
             try:
                 linux.sethostname(sid)
@@ -842,6 +847,60 @@ class ContainerDriver:
                     slot=slot.name if slot else None, address=slot.address if slot else None)
         self._background(asyncio.to_thread(shutil.rmtree, images, True))
         return RuntimeHandle(self.name, sid, data)
+
+    # ------------------------------------------------------------------ snapshot / copies
+    async def snapshot(self, handle: RuntimeHandle, images: Path) -> dict[str, float]:
+        """Checkpoint a running sandbox into `images` (memory, processes, and a copy of its
+        writable layer taken while frozen); the sandbox keeps running. Returns timings."""
+        sid = handle.sandbox_id
+        live = self._live_of(handle)
+        if not self._alive(live):
+            raise AenvError(ErrorCode.UNAVAILABLE, f"sandbox {sid} is not running")
+        stats = await checkpoint.dump(
+            live.pid, images, freezer=self.cgroups.path("freezer", sid), leave_running=True,
+            upper=Path(handle.data["workspace"]) / "upper", bundle=self.bundle,
+            external_netns=bool(handle.data.get("slot")))
+        return {"frozen_s": stats.frozen_s, "total_s": stats.total_s,
+                "image_bytes": float(stats.image_bytes)}
+
+    async def restore(self, spec: SandboxSpec, images: Path, image_token: str | None
+                      ) -> RuntimeHandle:
+        """A new, independent sandbox `spec.sandbox_id` from a snapshot image: its own
+        workspace (a copy of the image's writable layer), cgroups, network namespace, hostname
+        and envd token. `image_token` is the envd token inside the image."""
+        sid = spec.sandbox_id
+        self._check_spec(spec)
+        data: dict[str, Any] = {"pid": None, "start_time": None, "workspace": str(spec.workspace),
+                                "envd_port": spec.envd_port, "slot": None, "address": None}
+        try:
+            await checkpoint.prepare_workspace(images, spec.workspace)
+            await asyncio.to_thread(checkpoint.create_cgroups, self.cgroups, sid,
+                                    memory_mb=spec.memory_mb, cpu_count=spec.cpu_count,
+                                    pids_max=spec.pids_max)
+            slot = None
+            if spec.allow_internet_access:
+                await self._ensure_network()
+                slot = await self.network.acquire()
+                data.update(slot=slot.name, address=slot.address)
+            result = await checkpoint.restore(
+                images, workspace=spec.workspace, lower=[self.driver_layer, *spec.lower_layers],
+                cgroup_dirs=checkpoint.cgroup_dirs(self.cgroups, sid), envd_port=spec.envd_port,
+                netns=slot.path if slot else None, bundle=self.bundle)
+            data.update(pid=result.pid, start_time=result.start_time)
+            live = _Live(result.pid, result.start_time, cpu_ns=0, cpu_at=time.monotonic())
+            self._live[sid] = live
+            self._set_identity(sid, live, data)
+            handle = RuntimeHandle(self.name, sid, data)
+            body: dict[str, Any] = {"accessToken": spec.envd_access_token,
+                                    "envVars": dict(spec.env_vars),
+                                    "defaultUser": spec.default_user}
+            if spec.default_workdir:
+                body["defaultWorkdir"] = spec.default_workdir
+            await self._init_envd(handle, image_token or "", body)
+        except BaseException:
+            await self._cleanup(sid, data, data.get("pid"), data.get("start_time"))
+            raise
+        return handle
 
     async def destroy(self, handle: RuntimeHandle) -> None:
         pid = handle.data.get("pid")

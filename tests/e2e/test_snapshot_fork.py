@@ -1,0 +1,108 @@
+"""Snapshots and fork through the official SDK: a running sandbox captured with a brief pause,
+new sandboxes started from the capture, and forks that inherit memory, processes, files and
+environment while staying independent of each other and of the parent."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from e2b import Sandbox, SandboxQuery
+from e2e_helpers import wait_until
+from test_pause_resume import HOLDER, ask
+
+
+def _setup_parent(run_id: str) -> tuple[Sandbox, int, str, int]:
+    """A parent with a file, a live shell holding an exported variable, and a python process
+    holding a secret in memory. Returns (parent, shell pid, secret, requests answered)."""
+    parent = Sandbox.create(metadata={"e2e-fork": run_id}, envs={"FROM_CREATE": "yes"},
+                            timeout=180)
+    parent.files.write("/home/user/setup.txt", "expensive setup done")
+    shell = parent.commands.run("bash", background=True, stdin=True, timeout=0)
+    parent.commands.send_stdin(shell.pid, "export LIVE=set-in-a-live-shell\n")
+    shell.disconnect()
+    parent.commands.run(HOLDER)
+    wait_until(lambda: parent.files.exists("/tmp/ask"), 10, what="the holder's fifo")
+    secret, n = ask(parent)
+    return parent, shell.pid, secret, n
+
+
+def _live_var(s: Sandbox, shell_pid: int) -> str:
+    s.commands.send_stdin(shell_pid, "echo $LIVE > /tmp/live\n")
+    wait_until(lambda: s.files.exists("/tmp/live") and s.files.read("/tmp/live").strip(), 10,
+               what="the live shell to answer")
+    return s.files.read("/tmp/live").strip()
+
+
+@pytest.mark.slow
+def test_fork_sixteen_children_inherit_everything_and_stay_independent(run_id: str) -> None:
+    parent, shell_pid, secret, n = _setup_parent(run_id)
+    children: list[Sandbox] = []
+    try:
+        results = parent.fork(count=16)
+        children = [c for c in results if isinstance(c, Sandbox)]
+        assert len(children) == 16, [r for r in results if not isinstance(r, Sandbox)]
+        ids = {c.sandbox_id for c in children}
+        assert len(ids) == 16 and parent.sandbox_id not in ids
+
+        def check(child: Sandbox) -> None:
+            assert child.files.read("/home/user/setup.txt") == "expensive setup done"
+            assert _live_var(child, shell_pid) == "set-in-a-live-shell"
+            assert ask(child) == (secret, n + 1)  # memory carried over, process kept running
+            assert child.commands.run("echo $FROM_CREATE; hostname").stdout.split() == [
+                "yes", child.sandbox_id]
+
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(check, children))
+        children[0].files.write("/home/user/only-in-child-0.txt", "mine")
+        assert not any(c.files.exists("/home/user/only-in-child-0.txt") for c in children[1:4])
+        assert not parent.files.exists("/home/user/only-in-child-0.txt")
+        # the parent kept running with its own state
+        assert ask(parent) == (secret, n + 1)
+        assert _live_var(parent, shell_pid) == "set-in-a-live-shell"
+        listed = Sandbox.list(query=SandboxQuery(metadata={"e2e-fork": run_id}),
+                              limit=100).next_items()
+        assert len(listed) == 17
+    finally:
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda s: s.kill(), [parent, *children]))
+
+
+def test_snapshot_create_from_it_list_and_delete(run_id: str) -> None:
+    source = Sandbox.create(metadata={"e2e-snap": run_id}, timeout=120)
+    copies: list[Sandbox] = []
+    try:
+        source.files.write("/home/user/state.txt", "v1")
+        snap = source.create_snapshot(name=f"snap-{run_id}")
+        assert snap.names == [f"snap-{run_id}"]
+        source.files.write("/home/user/state.txt", "v2 after the snapshot")
+        listed = Sandbox.list_snapshots(sandbox_id=source.sandbox_id).next_items()
+        assert [x.snapshot_id for x in listed] == [snap.snapshot_id]
+        for template in (snap.snapshot_id, f"snap-{run_id}"):  # by id and by name
+            copy = Sandbox.create(template, timeout=60)
+            copies.append(copy)
+            assert copy.files.read("/home/user/state.txt") == "v1"
+            assert copy.commands.run("hostname").stdout.strip() == copy.sandbox_id
+        copies[0].files.write("/home/user/state.txt", "changed in a copy")
+        assert copies[1].files.read("/home/user/state.txt") == "v1"
+        assert source.files.read("/home/user/state.txt") == "v2 after the snapshot"
+        assert Sandbox.delete_snapshot(snap.snapshot_id) is True
+        assert Sandbox.delete_snapshot(snap.snapshot_id) is False
+        assert Sandbox.list_snapshots(sandbox_id=source.sandbox_id).next_items() == []
+        # sandboxes made from a deleted snapshot keep running
+        assert copies[0].commands.run("echo ok").stdout == "ok\n"
+    finally:
+        for s in (source, *copies):
+            s.kill()
+
+
+def test_fork_of_a_paused_or_unknown_sandbox_is_refused(run_id: str) -> None:
+    s = Sandbox.create(metadata={"e2e-fork-bad": run_id}, timeout=60)
+    try:
+        assert s.pause() is True
+        with pytest.raises(Exception, match="409|paused"):
+            s.fork(count=2)
+        with pytest.raises(Exception, match="count"):
+            Sandbox.connect(s.sandbox_id).fork(count=0)
+    finally:
+        s.kill()
