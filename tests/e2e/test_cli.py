@@ -215,3 +215,36 @@ def test_usage_errors_exit_2(cli_env: dict[str, str]) -> None:
     assert proc.returncode == 2 and "usage" in proc.stderr.lower()
     proc = aenv(cli_env, "timeout", "abc", "notanumber")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
+
+
+def test_pause_resume_fork_snapshot(started: dict[str, str], cli_env: dict[str, str],
+                                    api: httpx.Client) -> None:
+    sid = started["sandboxID"]
+    proc = aenv(cli_env, "exec", sid, "--", "sh", "-c", "echo forked-state > /tmp/state")
+    assert proc.returncode == 0, proc.stderr
+    proc = aenv(cli_env, "snapshot", "create", sid, "--name", f"cli-{sid}", "-o", "json")
+    assert proc.returncode == 0, proc.stderr
+    snap = json.loads(proc.stdout)
+    assert snap["names"] == [f"cli-{sid}"] and snap["sandboxID"] == sid
+    proc = aenv(cli_env, "snapshot", "ls", sid)
+    assert proc.returncode == 0 and snap["snapshotID"] in proc.stdout, proc.stdout
+    proc = aenv(cli_env, "fork", sid, "-n", "2", "-o", "json")
+    assert proc.returncode == 0, proc.stderr
+    kids = [r["sandbox"]["sandboxID"] for r in json.loads(proc.stdout)]
+    try:
+        assert len(set(kids)) == 2
+        for kid in kids:
+            out = aenv(cli_env, "exec", kid, "--", "cat", "/tmp/state")
+            assert out.returncode == 0 and out.stdout == "forked-state\n", out.stderr
+        assert aenv(cli_env, "pause", sid).returncode == 0
+        assert api.get(f"/sandboxes/{sid}").json()["state"] == "paused"
+        assert_clean_error(aenv(cli_env, "pause", sid), "already paused")
+        proc = aenv(cli_env, "resume", sid, "-o", "json")
+        assert proc.returncode == 0 and json.loads(proc.stdout)["state"] == "running", proc.stderr
+        out = aenv(cli_env, "exec", sid, "--", "cat", "/tmp/state")
+        assert out.stdout == "forked-state\n", out.stderr
+        assert aenv(cli_env, "snapshot", "rm", snap["snapshotID"]).returncode == 0
+        assert_clean_error(aenv(cli_env, "snapshot", "rm", snap["snapshotID"]), "not found")
+    finally:
+        for kid in kids:
+            api.delete(f"/sandboxes/{kid}")

@@ -151,6 +151,52 @@ def cmd_info(args: argparse.Namespace, client: Client) -> int:
     return 0
 
 
+def cmd_pause(args: argparse.Namespace, client: Client) -> int:
+    for sandbox_id in args.sandbox_ids:
+        client.call("POST", f"/sandboxes/{sandbox_id}/pause", {})
+        print(sandbox_id)
+    return 0
+
+
+def cmd_resume(args: argparse.Namespace, client: Client) -> int:
+    body = {"timeout": args.timeout} if args.timeout else {}
+    client.call("POST", f"/v2/sandboxes/{args.sandbox_id}/connect", body)
+    info = client.call("GET", f"/sandboxes/{args.sandbox_id}").json()
+    emit(info, ("sandboxID", "state", "endAt"), args.output == "json")
+    return 0
+
+
+def cmd_fork(args: argparse.Namespace, client: Client) -> int:
+    body: dict[str, Any] = {"count": args.count}
+    if args.timeout:
+        body["timeout"] = args.timeout
+    results = client.call("POST", f"/sandboxes/{args.sandbox_id}/fork", body).json()
+    rows = [{"sandboxID": r["sandbox"]["sandboxID"], "result": "ok"} if "sandbox" in r
+            else {"sandboxID": "-", "result": r["error"]["message"]} for r in results]
+    emit(results if args.output == "json" else rows, ("sandboxID", "result"),
+         args.output == "json")
+    return 0 if all("sandbox" in r for r in results) else 1
+
+
+def cmd_snapshot(args: argparse.Namespace, client: Client) -> int:
+    columns = ("snapshotID", "names", "sandboxID", "createdAt")
+    if args.action == "create":
+        if not args.target:
+            raise ApiError(0, "snapshot create needs a sandbox id")
+        body = {"name": args.name} if args.name else {}
+        emit(client.call("POST", f"/sandboxes/{args.target}/snapshots", body).json(), columns,
+             args.output == "json")
+    elif args.action == "ls":
+        query = f"?sandboxID={args.target}" if args.target else ""
+        emit(client.call("GET", f"/snapshots{query}").json(), columns, args.output == "json")
+    else:
+        if not args.target:
+            raise ApiError(0, "snapshot rm needs a snapshot id or name")
+        client.call("DELETE", f"/templates/{args.target}")
+        print(args.target)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aenv", description="Sandboxes for AI agents and RL.")
     parser.add_argument("--url", help="server URL (default $AENV_URL or http://127.0.0.1:8000)")
@@ -194,6 +240,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("sandbox_id")
     p.add_argument("seconds", type=int)
 
+    p = sub.add_parser("pause", help="pause sandboxes (memory and processes kept on disk)",
+                       parents=[common])
+    p.add_argument("sandbox_ids", nargs="+")
+
+    p = sub.add_parser("resume", help="resume a paused sandbox", parents=[common])
+    p.add_argument("sandbox_id")
+    p.add_argument("--timeout", type=int, help="time to live from now, seconds")
+
+    p = sub.add_parser("fork", help="fork a running sandbox into N independent children",
+                       parents=[common])
+    p.add_argument("sandbox_id")
+    p.add_argument("-n", "--count", type=int, default=1)
+    p.add_argument("--timeout", type=int, help="children's time to live (default: the parent's)")
+
+    p = sub.add_parser("snapshot", help="snapshot create ID [--name N] | ls [ID] | rm SNAPSHOT",
+                       parents=[common])
+    p.add_argument("action", choices=("create", "ls", "rm"))
+    p.add_argument("target", nargs="?")
+    p.add_argument("--name")
+
     p = sub.add_parser("info", parents=[common], help="show one sandbox")
     p.add_argument("sandbox_id")
     return parser
@@ -201,7 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 CLIENT_VERBS: dict[str, Callable[[argparse.Namespace, Client], int]] = {
     "auth": cmd_auth, "start": cmd_start, "exec": cmd_exec, "ls": cmd_ls, "rm": cmd_rm,
-    "timeout": cmd_timeout, "info": cmd_info,
+    "timeout": cmd_timeout, "info": cmd_info, "pause": cmd_pause, "resume": cmd_resume,
+    "fork": cmd_fork, "snapshot": cmd_snapshot,
 }
 
 
