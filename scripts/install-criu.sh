@@ -33,7 +33,10 @@ log() { echo "install-criu: $*" >&2; }
 # older build of ours rebuilds.
 HERE=$(cd "$(dirname "$0")" && pwd)
 PATCHES=("$HERE/criu-rlimits-from-proc.patch")
-BUILD_ID="$VERSION+$(cat "${PATCHES[@]}" | sha256sum | cut -c1-12)"
+# CRIU caches its probe of the kernel's features (~tens of ms per run) only on a tmpfs;
+# /run is not one on every host, /dev/shm is.
+MAKE_VARS=(RUNDIR=/dev/shm)
+BUILD_ID="$VERSION+$( (cat "${PATCHES[@]}"; echo "${MAKE_VARS[*]}") | sha256sum | cut -c1-12)"
 BUILD_ID_FILE="$PREFIX/share/aenv/criu-build-id"
 
 if [[ -z "${CRIU_FORCE:-}" && -x "$DEST" && "$(cat "$BUILD_ID_FILE" 2>/dev/null)" == "$BUILD_ID" ]]; then
@@ -114,7 +117,7 @@ for p in "${PATCHES[@]}"; do
 done
 # `make criu` builds compel, soccr and the criu binary only (no docs, no
 # python libs, no plugins).
-make -C "$src" -j"$(nproc)" criu >"$WORK/build.log" 2>&1 || { tail -40 "$WORK/build.log" >&2; exit 1; }
+make -C "$src" -j"$(nproc)" "${MAKE_VARS[@]}" criu >"$WORK/build.log" 2>&1 || { tail -40 "$WORK/build.log" >&2; exit 1; }
 install -D -m 0755 "$src/criu/criu" "$DEST"
 install -D -m 0644 /dev/null "$BUILD_ID_FILE" && echo "$BUILD_ID" > "$BUILD_ID_FILE"
 log "installed $("$DEST" --version | tr '\n' ' ')"

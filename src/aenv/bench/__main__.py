@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from aenv.bench import runtime_bench, sdk_bench
+from aenv.bench import lifecycle_bench, runtime_bench, sdk_bench
 
 
 def main() -> int:
@@ -13,6 +13,8 @@ def main() -> int:
     runtime_bench.main([])
     print()
     runtime_bench.main(["--internet"])
+    print()
+    lifecycle_bench.main()
     print()
     runtime_bench.main(["--internet", "--ready-pool", "16"])
     return 0

@@ -1,0 +1,121 @@
+"""Pause, resume, snapshot and fork of container sandboxes, through the official E2B SDK.
+
+For each workload (idle; 100 MiB resident in a python process; a process appending to a file
+continuously) it prints: pause, resume -> ready (the SDK's connect returns once envd
+answers), snapshot (total, and the source's pause window as seen from inside the source: the
+largest gap in a 1 ms ticker), fork x16 -> all children ready, image size, and host memory per
+forked child (the memory charged to its cgroup).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from aenv.bench.stats import summarize
+from aenv.devserver import ServerProcess, prepare_home
+
+TICKER = r"""nohup python3 -c '
+import os, time
+last = time.monotonic(); worst = 0.0
+while True:
+    time.sleep(0.001)
+    now = time.monotonic()
+    if os.path.exists("/tmp/reset-gap"):
+        os.unlink("/tmp/reset-gap"); worst = 0.0; open("/tmp/worst-gap", "w").write("0")
+    if now - last > worst:
+        worst = now - last
+        open("/tmp/worst-gap", "w").write(str(worst))
+    last = now
+' >/dev/null 2>&1 &"""
+WORKLOADS = {
+    "idle": "true",
+    "100 MiB resident": ("nohup python3 -c 'import time; b = bytearray(100 << 20); "
+                         "b[::4096] = b\"x\" * len(b[::4096]); time.sleep(1e9)' >/dev/null 2>&1 &"),
+    "writing to disk": ("nohup sh -c 'while true; do head -c 65536 /dev/urandom >> /tmp/grow; "
+                        "sleep 0.01; done' >/dev/null 2>&1 &"),
+}
+
+
+def cgroup_memory(sandbox_id: str) -> int:
+    return int(Path(f"/sys/fs/cgroup/memory/aenv/{sandbox_id}/memory.usage_in_bytes").read_text())
+
+
+def _worst_gap_ms(sbx: object) -> float:
+    from e2b import Sandbox
+
+    assert isinstance(sbx, Sandbox)
+    return 1000 * float(sbx.files.read("/tmp/worst-gap"))
+
+
+def run_workload(name: str, command: str, rounds: int = 5) -> list[str]:
+    from e2b import Sandbox
+
+    sbx = Sandbox.create(timeout=600)
+    sbx.commands.run(command)
+    time.sleep(1.5)  # let the workload reach its steady state
+    pause: list[float] = []
+    resume: list[float] = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        sbx.pause()
+        pause.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        sbx = Sandbox.connect(sbx.sandbox_id)
+        resume.append(time.perf_counter() - t)
+    sbx.commands.run(TICKER)
+    time.sleep(1.0)
+    snap_total: list[float] = []
+    windows: list[float] = []
+    for _ in range(rounds):
+        sbx.files.write("/tmp/reset-gap", "")
+        time.sleep(0.3)
+        t = time.perf_counter()
+        snap = sbx.create_snapshot()
+        snap_total.append(time.perf_counter() - t)
+        time.sleep(0.3)
+        windows.append(_worst_gap_ms(sbx) / 1000)
+        Sandbox.delete_snapshot(snap.snapshot_id)
+    fork16: list[float] = []
+    per_child_mib = 0.0
+    for _ in range(2):
+        t = time.perf_counter()
+        kids = [k for k in sbx.fork(count=16) if isinstance(k, Sandbox)]
+        fork16.append(time.perf_counter() - t)
+        time.sleep(1)
+        charged = [cgroup_memory(k.sandbox_id) for k in kids]
+        per_child_mib = sum(charged) / len(charged) / 2**20 if charged else float("nan")
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda k: k.kill(), kids))
+    sbx.kill()
+    return [f"[{name}]",
+            summarize("  pause", pause).line(),
+            summarize("  resume -> envd ready", resume).line(),
+            summarize("  snapshot, total", snap_total).line(),
+            summarize("  snapshot, source pause window (1 ms ticker)", windows).line(),
+            summarize("  fork x16 -> all children ready", fork16).line(),
+            f"  {'memory per forked child (its cgroup memory.usage)':<50} {per_child_mib:.1f} MiB"]
+
+
+def main() -> int:
+    home = prepare_home("aenv-lifecycle-bench-")
+    server = ServerProcess(home=home)
+    try:
+        server.start()
+        os.environ.update(server.sdk_env())
+        print("container runtime: pause / resume / snapshot / fork, through the e2b SDK 2.63:")
+        for name, command in WORKLOADS.items():
+            for line in run_workload(name, command):
+                print("  " + line, flush=True)
+    finally:
+        server.remove_all_sandboxes()
+        server.stop()
+        shutil.rmtree(home, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
