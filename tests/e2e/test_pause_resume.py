@@ -132,3 +132,26 @@ def test_paused_sandbox_survives_kill_9_of_the_server(own_home: Path) -> None:
         if srv.proc is not None and srv.proc.poll() is None:
             srv.remove_all_sandboxes()
         srv.stop()
+
+
+def test_auto_resume_on_traffic(run_id: str) -> None:
+    s = Sandbox.create(metadata={"e2e-autoresume": run_id}, timeout=60,
+                       lifecycle={"on_timeout": "pause", "auto_resume": True})
+    try:
+        s.files.write("/home/user/a.txt", "still here")
+        assert s.pause() is True
+        # no connect(): the first envd request resumes it
+        assert s.files.read("/home/user/a.txt") == "still here"
+        assert s.get_info().state == SandboxState.RUNNING
+    finally:
+        s.kill()
+
+
+def test_no_auto_resume_by_default(run_id: str) -> None:
+    s = Sandbox.create(metadata={"e2e-noautoresume": run_id}, timeout=60)
+    try:
+        assert s.pause() is True
+        assert s.is_running() is False  # traffic does not wake it
+        assert s.get_info().state == SandboxState.PAUSED
+    finally:
+        s.kill()
