@@ -4,12 +4,17 @@ environment while staying independent of each other and of the parent."""
 
 from __future__ import annotations
 
+import os
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 from e2b import Sandbox, SandboxQuery
 from e2e_helpers import wait_until
 from test_pause_resume import HOLDER, ask
+
+from aenv.devserver import ServerProcess
 
 
 def _setup_parent(run_id: str) -> tuple[Sandbox, int, str, int]:
@@ -106,3 +111,30 @@ def test_fork_of_a_paused_or_unknown_sandbox_is_refused(run_id: str) -> None:
             Sandbox.connect(s.sandbox_id).fork(count=0)
     finally:
         s.kill()
+
+
+def test_snapshot_is_in_the_repository_and_survives_a_wiped_cache(
+        run_id: str, server: ServerProcess, api: httpx.Client) -> None:
+    source = Sandbox.create(metadata={"e2e-repo": run_id}, timeout=120)
+    copies: list[Sandbox] = []
+    try:
+        source.files.write("/home/user/big.bin", os.urandom(4 << 20))
+        first = source.create_snapshot()
+        source.files.write("/home/user/small.txt", "a small change")
+        second = source.create_snapshot()
+        info1 = api.get(f"/snapshots/{first.snapshot_id}").json()
+        info2 = api.get(f"/snapshots/{second.snapshot_id}").json()
+        # incremental: the second snapshot stores only what changed since the first
+        assert info1["storedBytes"] > 4 << 20
+        assert info2["storedBytes"] < info2["sizeBytes"] / 4, (info1, info2)
+        # the local cache is only a cache: wipe it, and the snapshot comes back from the repository
+        shutil.rmtree(server.home / "cache" / "snapshots" / second.snapshot_id)
+        copy = Sandbox.create(second.snapshot_id, timeout=60)
+        copies.append(copy)
+        assert copy.files.read("/home/user/small.txt") == "a small change"
+        assert len(copy.files.read("/home/user/big.bin", format="bytes")) == 4 << 20
+        for snap in (first, second):
+            assert Sandbox.delete_snapshot(snap.snapshot_id) is True
+    finally:
+        for s in (source, *copies):
+            s.kill()

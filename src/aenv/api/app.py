@@ -32,6 +32,7 @@ from aenv.orchestrator.models import TemplateRecord
 from aenv.orchestrator.store import Store
 from aenv.runtime.registry import load_driver
 from aenv.storage.layout import Layout
+from aenv.storage.repository import LocalCache, Repository, open_blob_store
 
 log = logging.getLogger("aenv.api")
 
@@ -104,7 +105,9 @@ def build_server(config: Config, show_progress: bool = True) -> Server:
         if current is None or current.layers != wanted.layers:
             store.put_template(wanted)
 
-    manager = SandboxManager(config, layout, store, driver, ensure_templates)
+    repository = Repository(open_blob_store(config.snapshot, config.home))
+    snapshots = LocalCache(layout.cache_dir / "snapshots", config.snapshot.cache_bytes, repository)
+    manager = SandboxManager(config, layout, store, driver, ensure_templates, snapshots)
     proxy = SandboxProxy(manager)
     routes = SandboxRoutes(manager, config)
 

@@ -62,7 +62,9 @@ def snapshot_body(tpl: TemplateRecord) -> dict[str, Any]:
     return {"snapshotID": tpl.template_id, "names": tpl.names,
             "cpuCount": tpl.cpu_count, "memoryMB": tpl.memory_mb, "diskSizeMB": tpl.disk_size_mb,
             **({"sandboxID": tpl.source_sandbox} if tpl.source_sandbox else {}),
-            **({"createdAt": _ts(tpl.created_at)} if tpl.created_at else {})}
+            **({"createdAt": _ts(tpl.created_at)} if tpl.created_at else {}),
+            **({"sizeBytes": tpl.size_bytes} if tpl.size_bytes is not None else {}),
+            **({"storedBytes": tpl.stored_bytes} if tpl.stored_bytes is not None else {})}
 
 
 def _ts(value: datetime) -> str:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import logging
 import shutil
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -39,6 +40,7 @@ from aenv.runtime.base import (
     SnapshotDriver,
 )
 from aenv.storage.layout import Layout
+from aenv.storage.repository import LocalCache
 
 log = logging.getLogger("aenv.orchestrator")
 
@@ -52,7 +54,8 @@ def utcnow() -> datetime:
 
 class SandboxManager:
     def __init__(self, config: Config, layout: Layout, store: Store, driver: RuntimeDriver,
-                 ensure_templates: Callable[[], Awaitable[None]] | None = None) -> None:
+                 ensure_templates: Callable[[], Awaitable[None]] | None = None,
+                 snapshots: LocalCache | None = None) -> None:
         self.config = config
         self.layout = layout
         self.store = store
@@ -63,6 +66,9 @@ class SandboxManager:
         self._sweeper: asyncio.Task[None] | None = None
         self._creating = 0
         self._stop_listeners: list[Callable[[str], None]] = []
+        # Snapshots live in the durable repository; `snapshots` is the bounded local cache in
+        # front of it (None: snapshots stay local only, in layout.snapshots_dir).
+        self.snapshots = snapshots
 
     # ---------------------------------------------------------------- start / stop
     async def start(self) -> None:
@@ -186,8 +192,8 @@ class SandboxManager:
         self._creating += 1
         try:
             if tpl.image is not None:
-                handle = await self._snapshot_driver().restore(spec, Path(tpl.image),
-                                                               tpl.image_token)
+                async with self._image(tpl.image) as images:
+                    handle = await self._snapshot_driver().restore(spec, images, tpl.image_token)
             else:
                 handle = await self.driver.create(spec)
         finally:
@@ -302,9 +308,39 @@ class SandboxManager:
                             f"snapshots are not supported by the {self.driver.name} runtime")
         return self.driver
 
+    @contextlib.asynccontextmanager
+    async def _image(self, image: str) -> AsyncIterator[Path]:
+        """A snapshot image on local disk for the duration of a restore: from the local cache
+        (pulled from the repository when it is not there), pinned against eviction."""
+        if self.snapshots is None or image.startswith("/"):
+            yield Path(image)  # local-only image (forks)
+            return
+        async with self.snapshots.use(image) as path:
+            yield path
+
     async def snapshot(self, sandbox_id: str, name: str | None = None) -> TemplateRecord:
         """Capture a running sandbox (paused only while it is frozen) as a template that new
-        sandboxes start from, by id or name."""
+        sandboxes start from, by id or name. The snapshot is in the repository (durable)
+        before it is listed."""
+        tpl = await self._capture(sandbox_id, name)
+        if self.snapshots is not None:
+            images = Path(tpl.image or "")
+            try:
+                pushed = await self.snapshots.repository.push(tpl.template_id, images)
+                await self.snapshots.adopt(tpl.template_id, images)
+                tpl.size_bytes, tpl.stored_bytes = pushed.bytes_total, pushed.bytes_uploaded
+                log.info("snapshot %s of %s: %d bytes, %d new in the repository (%.2f s)",
+                         tpl.template_id, sandbox_id, pushed.bytes_total, pushed.bytes_uploaded,
+                         pushed.seconds)
+            except BaseException:
+                await asyncio.to_thread(shutil.rmtree, images, True)
+                raise
+            tpl.image = tpl.template_id
+        self.store.put_template(tpl)
+        return tpl
+
+    async def _capture(self, sandbox_id: str, name: str | None) -> TemplateRecord:
+        """Checkpoint a running sandbox into a local image; the record is not stored."""
         driver = self._snapshot_driver()
         if name is not None and self.store.find_template(name) is not None:
             raise AenvError(ErrorCode.CONFLICT, f"a template or snapshot named '{name}' exists")
@@ -327,7 +363,6 @@ class SandboxManager:
             env_vars=dict(rec.env_vars), created_at=utcnow(), image=str(images),
             image_token=rec.envd_access_token, source_sandbox=sandbox_id,
             allow_internet_access=rec.allow_internet_access)
-        self.store.put_template(tpl)
         return tpl
 
     def list_snapshots(self, sandbox_id: str | None = None, name: str | None = None
@@ -341,8 +376,14 @@ class SandboxManager:
         if tpl.image is None and tpl.template_id == "base":
             raise AenvError(ErrorCode.CONFLICT, "the base template cannot be deleted")
         self.store.delete_template(tpl.template_id)
-        if tpl.image is not None:
+        if tpl.image is None:
+            return
+        if tpl.image.startswith("/"):
             await asyncio.to_thread(shutil.rmtree, tpl.image, True)
+        elif self.snapshots is not None:
+            if tpl.image in self.snapshots and not self.snapshots.is_pinned(tpl.image):
+                await self.snapshots.evict(tpl.image)
+            await self.snapshots.repository.delete(tpl.image)
 
     async def fork(self, sandbox_id: str, count: int, timeout_s: int | None
                    ) -> list[SandboxRecord | AenvError]:
@@ -355,7 +396,9 @@ class SandboxManager:
         timeout = timeout_s if timeout_s is not None else max(
             1, int((parent.end_at - utcnow()).total_seconds()))
         self._check_timeout(timeout)
-        tpl = await self.snapshot(sandbox_id)
+        # The fork's image is local and short-lived: no trip through the repository.
+        tpl = await self._capture(sandbox_id, None)
+        self.store.put_template(tpl)
         try:
             results = await asyncio.gather(*[
                 self.create(CreateRequest(template=tpl.template_id, timeout_s=timeout,

@@ -46,6 +46,8 @@ class TemplateRecord:
     image_token: str | None = None  # envd's access token inside the image
     source_sandbox: str | None = None
     allow_internet_access: bool | None = None  # the source's network mode, kept by copies
+    size_bytes: int | None = None  # the image's size
+    stored_bytes: int | None = None  # what it added to the repository (the rest was deduplicated)
 
 
 @dataclass
