@@ -24,8 +24,7 @@ def server() -> Iterator[ServerProcess]:
     saved = dict(os.environ)
     os.environ.update(srv.sdk_env())
     yield srv
-    srv.remove_all_sandboxes()
-    srv.stop()
+    srv.shutdown()
     os.environ.clear()
     os.environ.update(saved)
     shutil.rmtree(home, ignore_errors=True)

@@ -81,6 +81,14 @@ class ServerProcess:
             for sbx in http.get("/v2/sandboxes", params={"limit": 1000}).json():
                 http.delete(f"/sandboxes/{sbx['sandboxID']}")
 
+    def shutdown(self) -> None:
+        """Remove every sandbox (if the server still answers), then stop the server."""
+        try:
+            if self.proc is not None and self.proc.poll() is None:
+                self.remove_all_sandboxes()
+        finally:
+            self.stop()
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(sig)

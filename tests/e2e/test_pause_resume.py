@@ -16,7 +16,9 @@ from e2e_helpers import wait_until
 
 from aenv.devserver import ServerProcess, prepare_home
 
-COUNTER = "nohup bash -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.05; done' >/dev/null 2>&1 &"
+# Written to a temporary file then renamed, so a reader never sees it half-written.
+COUNTER = ("nohup bash -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter.tmp; "
+           "mv /tmp/counter.tmp /tmp/counter; sleep 0.05; done' >/dev/null 2>&1 &")
 # A python process keeping a value only in memory; it answers on a fifo with value and a
 # request count, so a restart from scratch (count back to 1) would show.
 HOLDER = r"""nohup python3 -c '
@@ -129,9 +131,7 @@ def test_paused_sandbox_survives_kill_9_of_the_server(own_home: Path) -> None:
             assert again.pause() is True
         assert Sandbox.kill(s.sandbox_id, **opts) is True
     finally:
-        if srv.proc is not None and srv.proc.poll() is None:
-            srv.remove_all_sandboxes()
-        srv.stop()
+        srv.shutdown()
 
 
 def test_auto_resume_on_traffic(run_id: str) -> None:

@@ -44,8 +44,7 @@ def test_concurrent_creates_on_a_fresh_server(fresh_home: Path) -> None:
         assert not errors, f"{len(errors)}/5 concurrent creates failed: {errors!r}"
         assert len({s.sandbox_id for s in created}) == 5
     finally:
-        srv.remove_all_sandboxes()
-        srv.stop()
+        srv.shutdown()
 
 
 @pytest.mark.slow
@@ -77,6 +76,4 @@ def test_sandboxes_survive_a_server_restart(fresh_home: Path) -> None:
         assert again.kill() is True
         assert Sandbox.list(query=SandboxQuery(metadata=tag), **opts).next_items() == []
     finally:
-        if srv.proc is not None and srv.proc.poll() is None:
-            srv.remove_all_sandboxes()
-        srv.stop()
+        srv.shutdown()

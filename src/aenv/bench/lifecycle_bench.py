@@ -111,8 +111,7 @@ def main() -> int:
             for line in run_workload(name, command):
                 print("  " + line, flush=True)
     finally:
-        server.remove_all_sandboxes()
-        server.stop()
+        server.shutdown()
         shutil.rmtree(home, ignore_errors=True)
     return 0
 

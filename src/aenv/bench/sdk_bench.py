@@ -126,6 +126,6 @@ def main() -> int:
         for line in run(server):
             print("  " + line, flush=True)
     finally:
-        server.stop()
+        server.shutdown()
         shutil.rmtree(home, ignore_errors=True)
     return 0

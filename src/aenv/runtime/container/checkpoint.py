@@ -79,7 +79,16 @@ set -e
 [ "$CRTOOLS_SCRIPT_ACTION" = pre-dump ] || exit 0
 echo "start $(date +%s.%N)" > "$AENV_MARKS"
 echo FROZEN > "$AENV_FREEZER/freezer.state"
-while [ "$(cat "$AENV_FREEZER/freezer.state")" != FROZEN ]; do :; done
+# A task stuck in the kernel can keep the cgroup FREEZING forever: give up after ~3000 polls
+# (a few seconds; each poll forks `cat`), so that CRIU aborts, and the caller thaws.
+polls=0
+while [ "$(cat "$AENV_FREEZER/freezer.state")" != FROZEN ]; do
+    polls=$((polls + 1))
+    if [ "$polls" -gt 3000 ]; then
+        echo "aenv: freezer $AENV_FREEZER still $(cat "$AENV_FREEZER/freezer.state")" >&2
+        exit 1
+    fi
+done
 echo "frozen $(date +%s.%N)" >> "$AENV_MARKS"
 if [ -n "${AENV_UPPER:-}" ]; then
     cp -a --reflink=auto -- "$AENV_UPPER" "$AENV_UPPER_COPY"
