@@ -6,6 +6,7 @@ Not used by the server itself.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -14,6 +15,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Self
@@ -108,6 +110,24 @@ class ServerProcess:
 
     def __exit__(self, *_: object) -> None:
         self.stop()
+
+
+def run_with_server(prefix: str, title: str,
+                    body: Callable[[ServerProcess], Iterable[str]]) -> int:
+    """Benchmarks' frame: a fresh home and server, the SDK pointed at it, `body`'s lines
+    printed as they come, and everything removed afterwards."""
+    home = prepare_home(prefix)
+    server = ServerProcess(home=home)
+    try:
+        server.start()
+        os.environ.update(server.sdk_env())
+        print(title)
+        for line in body(server):
+            print("  " + line, flush=True)
+    finally:
+        server.shutdown()
+        shutil.rmtree(home, ignore_errors=True)
+    return 0
 
 
 def layer_cache() -> Path:

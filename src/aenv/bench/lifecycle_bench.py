@@ -10,13 +10,13 @@ forked child (the memory charged to its cgroup).
 from __future__ import annotations
 
 import os
-import shutil
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from aenv.bench.stats import summarize
-from aenv.devserver import ServerProcess, prepare_home
+from aenv.devserver import ServerProcess, run_with_server
 
 TICKER = r"""nohup python3 -c '
 import os, time
@@ -124,19 +124,12 @@ def run_workload(name: str, command: str, rounds: int = 5) -> list[str]:
 
 
 def main() -> int:
-    home = prepare_home("aenv-lifecycle-bench-")
-    server = ServerProcess(home=home)
-    try:
-        server.start()
-        os.environ.update(server.sdk_env())
-        print("container runtime: pause / resume / snapshot / fork, through the e2b SDK 2.63:")
+    def all_workloads(_: ServerProcess) -> Iterator[str]:
         for name, command in WORKLOADS.items():
-            for line in run_workload(name, command):
-                print("  " + line, flush=True)
-    finally:
-        server.shutdown()
-        shutil.rmtree(home, ignore_errors=True)
-    return 0
+            yield from run_workload(name, command)
+
+    return run_with_server("aenv-lifecycle-bench-", "container runtime: pause / resume / "
+                           "snapshot / fork, through the e2b SDK 2.63:", all_workloads)
 
 
 if __name__ == "__main__":

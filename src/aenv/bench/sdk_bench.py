@@ -10,14 +10,12 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from aenv.bench.stats import summarize
-from aenv.devserver import ServerProcess, prepare_home
+from aenv.devserver import ServerProcess, run_with_server
 
 SETTLE_S = 2.0  # between bursts: the ready pool refills (~0.5 s for 16 sandboxes)
 
@@ -117,15 +115,5 @@ def run(server: ServerProcess) -> list[str]:
 
 
 def main() -> int:
-    home = prepare_home("aenv-bench-")
-    server = ServerProcess(home=home)
-    try:
-        server.start()
-        os.environ.update(server.sdk_env())
-        print("container runtime, through the e2b SDK 2.63 (2 cores):")
-        for line in run(server):
-            print("  " + line, flush=True)
-    finally:
-        server.shutdown()
-        shutil.rmtree(home, ignore_errors=True)
-    return 0
+    return run_with_server("aenv-bench-", "container runtime, through the e2b SDK 2.63 (2 cores):",
+                           run)
