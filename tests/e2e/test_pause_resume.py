@@ -155,3 +155,29 @@ def test_no_auto_resume_by_default(run_id: str) -> None:
         assert s.get_info().state == SandboxState.PAUSED
     finally:
         s.kill()
+
+
+# An open 4 MiB file whose name was removed: larger than CRIU's ghost-file limit (1 MiB), so
+# the dump fails. A real, reproducible checkpoint failure.
+UNDUMPABLE = ("nohup python3 -c 'import os, time; f = open(\"/tmp/gone\", \"w\"); "
+              "f.write(\"x\" * (4 << 20)); f.flush(); os.unlink(\"/tmp/gone\"); "
+              "time.sleep(1e9)' >/dev/null 2>&1 &")
+
+
+def test_a_failed_pause_loses_nothing(run_id: str) -> None:
+    meta = {"e2e-pause-fails": run_id}
+    s = Sandbox.create(metadata=meta, timeout=3)
+    try:
+        s.files.write("/home/user/precious.txt", "keep me")
+        s.commands.run(UNDUMPABLE)
+        time.sleep(0.5)
+        with pytest.raises(Exception, match="500"):
+            s.pause()
+        assert s.get_info().state == SandboxState.RUNNING
+        # on expiry the pause fails too: the sandbox keeps running and is retried later
+        wait_until(lambda: s.get_info().end_at.timestamp() > time.time() + 10, 15,
+                   what="the failed expiry pause to push the end time back")
+        assert s.get_info().state == SandboxState.RUNNING
+        assert s.files.read("/home/user/precious.txt") == "keep me"
+    finally:
+        s.kill()

@@ -45,6 +45,7 @@ from aenv.storage.repository import LocalCache
 log = logging.getLogger("aenv.orchestrator")
 
 SWEEP_INTERVAL_S = 0.5
+PAUSE_RETRY_S = 30  # a sandbox whose pause failed at expiry is tried again this much later
 MAX_FORK = 100  # children per fork call (the API limit; 16 is the case we optimise)
 
 
@@ -469,7 +470,16 @@ class SandboxManager:
                 return
             except AenvError as exc:
                 if exc.code is not ErrorCode.NOT_SUPPORTED:
-                    raise
+                    # Keep it running (nothing is lost) and try again later rather than on
+                    # every sweep: a failed checkpoint costs the host a CRIU run each time.
+                    async with self._lock(sandbox_id):
+                        current = self._records.get(sandbox_id)
+                        if current is not None and current.state is SandboxState.RUNNING:
+                            self._commit(replace(current, end_at=utcnow() + timedelta(
+                                seconds=PAUSE_RETRY_S)))
+                    log.error("sandbox %s expired but could not be paused (retrying in %d s): %s",
+                              sandbox_id, PAUSE_RETRY_S, exc.message)
+                    return
                 log.warning("sandbox %s expired; its runtime cannot pause, so it is killed",
                             sandbox_id)
         await self.kill(sandbox_id)
