@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from runtime_helpers import new_id
+from runtime_helpers import spec_for
 
 from aenv.config import Config
 from aenv.devserver import base_layer
-from aenv.runtime.base import RuntimeHandle, SandboxSpec
+from aenv.runtime.base import RuntimeHandle
 from aenv.runtime.container.driver import ContainerDriver
 
 CreateFn = Callable[..., Awaitable[RuntimeHandle]]
@@ -65,13 +65,8 @@ async def create(driver: ContainerDriver, rootfs: Path, home: Path
 
     async def _create(drv: ContainerDriver | None = None, **overrides: Any) -> RuntimeHandle:
         drv = drv or driver
-        sid = overrides.pop("sandbox_id", None) or new_id()
-        fields: dict[str, Any] = {
-            "sandbox_id": sid, "lower_layers": (rootfs,), "workspace": home / "sandboxes" / sid,
-            "cpu_count": 1, "memory_mb": 256, "pids_max": 256, "default_user": "root",
-            "allow_internet_access": False}
-        fields.update(overrides)
-        handle = await drv.create(SandboxSpec(**fields))
+        handle = await drv.create(spec_for(home, rootfs,
+                                           **{"allow_internet_access": False, **overrides}))
         made.append((drv, handle))
         return handle
 

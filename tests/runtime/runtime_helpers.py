@@ -11,8 +11,9 @@ import secrets
 import string
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from aenv.runtime.base import RuntimeHandle
+from aenv.runtime.base import RuntimeHandle, SandboxSpec
 from aenv.runtime.container.driver import ContainerDriver
 
 CGROUP = Path("/sys/fs/cgroup")
@@ -89,6 +90,18 @@ async def run(driver: ContainerDriver, handle: RuntimeHandle, cmd: str, user: st
             raise AssertionError(f"envd error: {msg['error']}")
     assert code is not None, "process did not end"
     return Result(code, out.decode(errors="replace"), err.decode(errors="replace"))
+
+
+def spec_for(home: Path, rootfs: Path, **overrides: Any) -> SandboxSpec:
+    """A small sandbox (1 cpu, 256 MiB, root by default) on `rootfs`, workspace under `home`;
+    keyword arguments override any field."""
+    sid = overrides.pop("sandbox_id", None) or new_id()
+    fields: dict[str, Any] = {
+        "sandbox_id": sid, "lower_layers": (rootfs,), "workspace": home / "sandboxes" / sid,
+        "cpu_count": 1, "memory_mb": 256, "pids_max": 256, "default_user": "root",
+        "allow_internet_access": True}
+    fields.update(overrides)
+    return SandboxSpec(**fields)
 
 
 def cgroup_read(sandbox_id: str, controller: str, name: str) -> str:

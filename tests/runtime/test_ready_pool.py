@@ -13,13 +13,12 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 from conftest import make_config
-from runtime_helpers import cgroup_read, http, new_id, run
+from runtime_helpers import cgroup_read, http, run, spec_for
 
-from aenv.runtime.base import ReadyShape, RuntimeHandle, SandboxSpec
+from aenv.runtime.base import ReadyShape, RuntimeHandle
 from aenv.runtime.container.driver import ContainerDriver
 
 CONTROLLERS = ("memory", "cpu", "cpuacct", "pids", "freezer", "devices")
@@ -29,16 +28,6 @@ CGROUP = Path("/sys/fs/cgroup")
 def shape(rootfs: Path, internet: bool = True) -> ReadyShape:
     return ReadyShape(lower_layers=(rootfs,), cpu_count=1, memory_mb=256, pids_max=256,
                       allow_internet_access=internet, default_user="root")
-
-
-def spec_for(home: Path, rootfs: Path, **overrides: Any) -> SandboxSpec:
-    sid = overrides.pop("sandbox_id", None) or new_id()
-    fields: dict[str, Any] = {
-        "sandbox_id": sid, "lower_layers": (rootfs,), "workspace": home / "sandboxes" / sid,
-        "cpu_count": 1, "memory_mb": 256, "pids_max": 256, "default_user": "root",
-        "allow_internet_access": True}
-    fields.update(overrides)
-    return SandboxSpec(**fields)
 
 
 async def wait_for(cond: Callable[[], bool], timeout: float = 20.0) -> None:

@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from aenv.bench.stats import summarize
+from aenv.bench.stats import mem_available, summarize
 from aenv.config import Config
 from aenv.runtime.base import ReadyShape, RuntimeHandle, SandboxSpec
 from aenv.runtime.container.driver import ContainerDriver
@@ -36,13 +36,6 @@ _BENCH_CGROUP = Path("/sys/fs/cgroup/cpuacct/aenv-bench")
 
 def _id() -> str:
     return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(20))
-
-
-def mem_available() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no MemAvailable")
 
 
 def pss(pid: int) -> int:

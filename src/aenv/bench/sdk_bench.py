@@ -12,19 +12,11 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-from aenv.bench.stats import summarize
+from aenv.bench.stats import mem_available, summarize
 from aenv.devserver import ServerProcess, run_with_server
 
 SETTLE_S = 2.0  # between bursts: the ready pool refills (~0.5 s for 16 sandboxes)
-
-
-def mem_available() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no MemAvailable in /proc/meminfo")
 
 
 def raw_http_burst(server: ServerProcess, rounds: int = 3, size: int = 16) -> list[float]:
