@@ -4,15 +4,21 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-APT_PACKAGES := debootstrap nftables iproute2 procps libc-bin binutils
+APT_PACKAGES := debootstrap nftables iproute2 procps libc-bin binutils btrfs-progs docker-registry skopeo apache2-utils busybox-static zstd
 STAMP := $(VENV)/.installed
 BUNDLE := /opt/aenv/runtime/py311/.complete
 CRIU := /usr/local/sbin/criu
 CRIU_VERSION := 4.2.1
+# The e2e suites run a second time against the qemu runtime (AENV_TEST_RUNTIME=qemu).
+E2E_QEMU := tests/e2e/test_sdk_sync.py tests/e2e/test_sdk_async.py tests/e2e/test_pause_resume.py tests/e2e/test_snapshot_fork.py
 
-.PHONY: install criu run test test-fast bench lint clean
+.PHONY: install criu run test test-fast bench lint clean vm test-vm test-e2e-qemu bench-vm
 
-install: $(STAMP) $(BUNDLE) criu
+install: $(STAMP) $(BUNDLE) criu vm
+
+# The qemu runtime: QEMU, the guest kernel and the VM artefacts (idempotent, seconds when done).
+vm: $(STAMP) $(BUNDLE)
+	@PY=$(PY) bash scripts/install-vm.sh
 
 # CRIU for checkpoint/restore (pause, resume, snapshot, fork): built from source, ~70 s once.
 criu:
@@ -39,6 +45,17 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -q -ra -m "not slow"
+
+# The qemu runtime's own suite, then the SDK e2e suites again with every sandbox a microVM.
+test-vm: install
+	$(PY) -m pytest -q -ra tests/vm
+	$(MAKE) test-e2e-qemu
+
+test-e2e-qemu: install
+	AENV_TEST_RUNTIME=qemu $(PY) -m pytest -q -ra $(E2E_QEMU)
+
+bench-vm: install
+	$(PY) -m aenv.bench.vm_bench
 
 bench: install
 	$(PY) -m aenv.bench

@@ -1,4 +1,5 @@
-"""Shared fixtures: a real `aenv serve` process on a private AENV_HOME, driven over HTTP.
+"""Shared fixtures: a real `aenv serve` process on a private AENV_HOME, driven over HTTP, and a
+real S3-compatible server.
 
 The base template layer is built once per machine into AENV_TEST_LAYER_CACHE (default
 /var/cache/aenv-test/layers) and linked into each test home (`aenv.devserver.prepare_home`).
@@ -7,19 +8,22 @@ The base template layer is built once per machine into AENV_TEST_LAYER_CACHE (de
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Iterator
 
 import pytest
 
-from aenv.devserver import ServerProcess, prepare_home
+from aenv.devserver import S3Server, ServerProcess, free_port, prepare_home, remove_home
 
 
 @pytest.fixture(scope="session")
 def server() -> Iterator[ServerProcess]:
     """One server for the whole session; tests must clean up the sandboxes they create."""
     home = prepare_home()
-    srv = ServerProcess(home=home, extra_env={"AENV_SANDBOX_MAX_SANDBOXES": "200"})
+    extra = {"AENV_SANDBOX_MAX_SANDBOXES": "200"}
+    # AENV_TEST_RUNTIME=qemu runs the same suites against the qemu (microVM) driver.
+    if os.environ.get("AENV_TEST_RUNTIME"):
+        extra["AENV_RUNTIME_DRIVER"] = os.environ["AENV_TEST_RUNTIME"]
+    srv = ServerProcess(home=home, extra_env=extra)
     srv.start(ready_timeout=300)
     saved = dict(os.environ)
     os.environ.update(srv.sdk_env())
@@ -27,4 +31,33 @@ def server() -> Iterator[ServerProcess]:
     srv.shutdown()
     os.environ.clear()
     os.environ.update(saved)
-    shutil.rmtree(home, ignore_errors=True)
+    remove_home(home)
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """A real S3-compatible server (moto's, threaded, on a loopback port) with one bucket.
+    Credentials reach boto3 through its usual chain: the environment."""
+    from moto.server import ThreadedMotoServer
+
+    creds = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+             "AWS_CONFIG_FILE": "/dev/null", "AWS_SHARED_CREDENTIALS_FILE": "/dev/null"}
+    saved = {k: os.environ.get(k) for k in (*creds, "AWS_SESSION_TOKEN")}
+    os.environ.update(creds)
+    os.environ.pop("AWS_SESSION_TOKEN", None)
+    port = free_port()
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    moto.start()
+    s3 = S3Server(f"http://127.0.0.1:{port}", "aenv-snapshots", "eu-central-1")
+    import boto3
+
+    boto3.client("s3", endpoint_url=s3.endpoint, region_name=s3.region).create_bucket(
+        Bucket=s3.bucket,
+        CreateBucketConfiguration={"LocationConstraint": s3.region})  # type: ignore[typeddict-item]
+    yield s3
+    moto.stop()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v

@@ -9,6 +9,7 @@ Every limit the server enforces is named here, with its unit.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import tomllib
 from collections.abc import Mapping
@@ -57,6 +58,19 @@ class RuntimeConfig:
     # Fully started idle sandboxes of the default template's shape (0: none); a matching
     # create only claims one (identity, limits, envd /init). Refilled while the node is idle.
     ready_pool: int = 16
+    # qemu driver: "auto" probes KVM once (a short boot) and falls back to TCG emulation.
+    qemu_accel: str = "auto"
+    # qemu driver: creates restore a snapshot of a VM booted once per shape (~1 s under TCG)
+    # instead of booting a kernel each time (~10 s under TCG).
+    qemu_boot_snapshot: bool = True
+    # Firecracker driver (driver = "firecracker"; KVM hosts only, see docs/operations.md).
+    firecracker_binary: str = ""  # "" = `firecracker` on PATH
+    firecracker_kernel: str = "/opt/aenv/vm/current/vmlinux"  # uncompressed ELF kernel
+    firecracker_initrd: str = ""  # optional initramfs ("" = none)
+    firecracker_rootfs: str = "/opt/aenv/vm/current/rootfs.ext4"  # base disk, copied per VM
+    firecracker_tools: str = ""  # optional read-only second disk (e.g. the VM tools image)
+    firecracker_boot_timeout_s: int = 30  # boot/restore until envd answers
+    firecracker_probe_timeout_s: int = 10  # the test boot of start()
 
 
 @dataclass
@@ -66,12 +80,31 @@ class NetworkConfig:
 
 
 @dataclass
+class ImagesConfig:
+    """Pulling OCI images into templates (`aenv pull`, POST /aenv/images/pull)."""
+
+    # Where a short name (`alpine`, `python:3.12`) is looked up, in order; docker.io style
+    # registries get the `library/` prefix for one-component names.
+    search_registries: list[str] = field(default_factory=lambda: ["docker.io"])
+    allowed_registries: list[str] = field(default_factory=list)  # empty: every registry
+    insecure_registries: list[str] = field(default_factory=list)  # plain HTTP allowed
+    # A docker-style auth file ({"auths": {"host": {"auth": base64(user:pass)}}}); "" = none.
+    auth_file: str = ""
+    # Per-registry {"username": ..., "password": ...}; wins over the auth file.
+    credentials: dict[str, dict[str, str]] = field(default_factory=dict)
+    max_concurrent_downloads: int = 3
+    max_concurrent_unpacks: int = 2  # CPU-bound (decompress + write): one per core
+    retries: int = 5  # per blob, resuming from what was received (HTTP Range)
+
+
+@dataclass
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     sandbox: SandboxDefaults = field(default_factory=SandboxDefaults)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
+    images: ImagesConfig = field(default_factory=ImagesConfig)
 
     @property
     def home(self) -> Path:
@@ -85,6 +118,16 @@ _SHORT_ENV = {"AENV_HOME": ("server", "home"), "AENV_LISTEN": ("server", "listen
 def _coerce(section: str, key: str, current: Any, raw: Any) -> Any:
     kind: type = type(current) if current is not None else str
     try:
+        if isinstance(current, list):
+            # From the environment: a comma-separated list.
+            items = raw.split(",") if isinstance(raw, str) else list(raw)
+            return [str(item).strip() for item in items if str(item).strip()]
+        if isinstance(current, dict):
+            # From the environment: JSON (`AENV_IMAGES_CREDENTIALS='{"host": {...}}'`).
+            value = json.loads(raw) if isinstance(raw, str) else raw
+            if not isinstance(value, dict):
+                raise TypeError(raw)
+            return value
         if isinstance(current, Path) or key == "home":
             return Path(raw)
         if kind is bool:
@@ -94,7 +137,7 @@ def _coerce(section: str, key: str, current: Any, raw: Any) -> Any:
         if kind is int:
             return int(raw)
         return str(raw)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError):  # json.JSONDecodeError is a ValueError
         raise invalid(f"config {section}.{key}: cannot use {raw!r} as {kind.__name__}") from None
 
 

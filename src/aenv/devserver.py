@@ -21,6 +21,15 @@ from pathlib import Path
 from typing import IO, Self
 
 
+@dataclass(frozen=True)
+class S3Server:
+    """Where an S3-compatible server (the tests' moto) listens, and its bucket."""
+
+    endpoint: str
+    bucket: str
+    region: str
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -126,7 +135,7 @@ def run_with_server(prefix: str, title: str,
             print("  " + line, flush=True)
     finally:
         server.shutdown()
-        shutil.rmtree(home, ignore_errors=True)
+        remove_home(home)
     return 0
 
 
@@ -145,8 +154,23 @@ def base_layer() -> Path:
 def prepare_home(prefix: str = "aenv-test-") -> Path:
     """A fresh AENV_HOME whose base layer is linked from a per-machine cache (built once),
     so that tests and benchmarks do not each pay for a debootstrap."""
+    from aenv.storage.volume import btrfs_available, mount_btrfs_volume
+
     base = base_layer()
     home = Path(tempfile.mkdtemp(prefix=prefix))
+    # On btrfs (a loop volume when the host filesystem is not), snapshots and forks seal a
+    # sandbox's writable layer in O(1): the product's intended setup. AENV_TEST_FS=host
+    # keeps the home on the host filesystem (the copy fallback).
+    if os.environ.get("AENV_TEST_FS", "btrfs") == "btrfs" and btrfs_available():
+        mount_btrfs_volume(home)
     (home / "layers").mkdir()
     (home / "layers" / base.name).symlink_to(base)
     return home
+
+
+def remove_home(home: Path) -> None:
+    """Undo prepare_home()."""
+    from aenv.storage.volume import unmount_volume
+
+    unmount_volume(home)
+    shutil.rmtree(home, ignore_errors=True)

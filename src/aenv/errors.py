@@ -17,6 +17,7 @@ class ErrorCode(StrEnum):
     RESOURCE_EXHAUSTED = "resource_exhausted"
     NOT_SUPPORTED = "not_supported"
     UNAVAILABLE = "unavailable"
+    PORT_CLOSED = "port_closed"  # the sandbox runs, but nothing listens on that port
     TIMEOUT = "timeout"
     INTERNAL = "internal"
     DATA_LOSS = "data_loss"  # stored data failed its integrity check

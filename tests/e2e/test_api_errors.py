@@ -105,6 +105,26 @@ def test_negative_timeout_via_sdk(api: httpx.Client) -> None:
     assert sdk_count() == count
 
 
+def test_runtime_per_sandbox(api: httpx.Client) -> None:
+    """A sandbox's runtime is chosen at create (field `runtime`, or metadata `aenv.runtime`
+    from the SDK); an unknown one is a 400 naming the available ones, with nothing created."""
+    before = live_sandbox_ids(api)
+    resp = api.post("/v2/sandboxes", json={"templateID": "base", "runtime": "nosuch"})
+    body = assert_json_error(resp, 400)
+    assert "nosuch" in body["message"] and "container" in body["message"]
+    with pytest.raises(SandboxException) as exc_info:
+        Sandbox.create(metadata={"aenv.runtime": "nosuch"})
+    assert exc_info.value.status_code == 400  # type: ignore[attr-defined]
+    assert live_sandbox_ids(api) == before
+    resp = api.post("/v2/sandboxes", json={"templateID": "base", "runtime": "container"})
+    assert resp.status_code == 201, resp.text
+    sandbox_id = resp.json()["sandboxID"]
+    try:
+        assert api.get(f"/sandboxes/{sandbox_id}").json()["runtime"] == "container"
+    finally:
+        api.delete(f"/sandboxes/{sandbox_id}")
+
+
 # ------------------------------------------------------------------ authentication
 
 

@@ -4,7 +4,6 @@ SDK objects created before the restart keep working after it)."""
 
 from __future__ import annotations
 
-import shutil
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -13,14 +12,14 @@ from pathlib import Path
 import pytest
 from e2b import Sandbox, SandboxQuery, SandboxState
 
-from aenv.devserver import ServerProcess, prepare_home
+from aenv.devserver import ServerProcess, prepare_home, remove_home
 
 
 @pytest.fixture
 def fresh_home() -> Iterator[Path]:
     home = prepare_home("aenv-e2e-own-")
     yield home
-    shutil.rmtree(home, ignore_errors=True)
+    remove_home(home)
 
 
 def test_concurrent_creates_on_a_fresh_server(fresh_home: Path) -> None:

@@ -7,14 +7,26 @@ from __future__ import annotations
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
 from e2b import Sandbox, SandboxQuery
-from e2e_helpers import wait_until
+from e2e_helpers import container_only, wait_until
 from test_pause_resume import HOLDER, ask
 
 from aenv.devserver import ServerProcess
+from aenv.runtime.container import linux
+from aenv.runtime.container.layers import remove_layer
+
+
+def _sealed_roots(server: ServerProcess, snapshot_id: str) -> list[Path]:
+    """The local sealed layers of a snapshot (directories under the home's layers/)."""
+    tpl = httpx.get(f"{server.url}/snapshots/{snapshot_id}",
+                    headers={"X-API-Key": server.api_key}).json()
+    assert tpl["snapshotID"] == snapshot_id, tpl
+    return sorted({server.home / "layers" / layer.split("/")[0] for layer in tpl["layers"]
+                   if layer.startswith("seal-")})
 
 
 def _setup_parent(run_id: str) -> tuple[Sandbox, int, str, int]:
@@ -113,6 +125,7 @@ def test_fork_of_a_paused_or_unknown_sandbox_is_refused(run_id: str) -> None:
         s.kill()
 
 
+@container_only
 def test_snapshot_is_in_the_repository_and_survives_a_wiped_cache(
         run_id: str, server: ServerProcess, api: httpx.Client) -> None:
     source = Sandbox.create(metadata={"e2e-repo": run_id}, timeout=120)
@@ -127,14 +140,95 @@ def test_snapshot_is_in_the_repository_and_survives_a_wiped_cache(
         # incremental: the second snapshot stores only what changed since the first
         assert info1["storedBytes"] > 4 << 20
         assert info2["storedBytes"] < info2["sizeBytes"] / 4, (info1, info2)
-        # the local cache is only a cache: wipe it, and the snapshot comes back from the repository
+        # the local cache is only a cache: wipe it (the image and its sealed layer), and the
+        # snapshot comes back from the repository
         shutil.rmtree(server.home / "cache" / "snapshots" / second.snapshot_id)
+        (sealed,) = _sealed_roots(server, second.snapshot_id)
+        remove_layer(sealed)
         copy = Sandbox.create(second.snapshot_id, timeout=60)
         copies.append(copy)
         assert copy.files.read("/home/user/small.txt") == "a small change"
         assert len(copy.files.read("/home/user/big.bin", format="bytes")) == 4 << 20
+        assert sealed.is_dir()  # pulled back
         for snap in (first, second):
             assert Sandbox.delete_snapshot(snap.snapshot_id) is True
     finally:
         for s in (source, *copies):
             s.kill()
+
+
+@container_only
+def test_a_snapshot_seals_the_writable_layer_and_copies_share_it(
+        run_id: str, server: ServerProcess) -> None:
+    """No copy: the source's writable layer becomes a read-only layer (on btrfs a subvolume
+    snapshot) that every copy stacks under its own, empty, writable layer."""
+    source = Sandbox.create(metadata={"e2e-seal": run_id}, timeout=120)
+    copies: list[Sandbox] = []
+    try:
+        source.files.write("/home/user/shared.bin", os.urandom(1 << 20))
+        snap = source.create_snapshot()
+        (sealed,) = _sealed_roots(server, snap.snapshot_id)
+        assert (sealed / "upper/home/user/shared.bin").stat().st_size == 1 << 20
+        if linux.on_btrfs(str(server.home)):
+            assert linux.is_subvolume(str(sealed))
+            with pytest.raises(OSError, match="Read-only"):
+                (sealed / "upper/tmp-probe").write_text("x")
+        copies = [Sandbox.create(snap.snapshot_id, timeout=60) for _ in range(2)]
+        for copy in copies:
+            upper = server.home / "sandboxes" / copy.sandbox_id / "upper"
+            assert not (upper / "home/user/shared.bin").exists()  # not copied up
+            assert len(copy.files.read("/home/user/shared.bin", format="bytes")) == 1 << 20
+        copies[0].files.write("/home/user/shared.bin", "rewritten")
+        assert (server.home / "sandboxes" / copies[0].sandbox_id / "upper/home/user/shared.bin"
+                ).read_text() == "rewritten"
+        assert len(copies[1].files.read("/home/user/shared.bin", format="bytes")) == 1 << 20
+        assert Sandbox.delete_snapshot(snap.snapshot_id) is True
+        assert sealed.exists()  # copies still run on it
+        for copy in copies:
+            copy.kill()
+        assert not sealed.exists()  # the last user is gone: the layer is collected
+    finally:
+        for s in (source, *copies):
+            s.kill()
+
+
+@container_only
+def test_a_chain_of_snapshots_is_compacted_past_the_depth_limit(
+        run_id: str, server: ServerProcess) -> None:
+    """Snapshot of a copy of a snapshot of ... : each adds a sealed layer on top; past
+    snapshot.max_sealed_layers (8) they are merged into one, with the same view of the files
+    (additions, rewrites and deletions across layers, an opaque directory)."""
+    sandbox = Sandbox.create(metadata={"e2e-chain": run_id}, timeout=120)
+    made: list[Sandbox] = [sandbox]
+    snaps: list[str] = []
+    try:
+        for level in range(10):
+            sandbox.files.write(f"/home/user/level-{level}.txt", f"written at {level}")
+            sandbox.files.write("/home/user/latest.txt", str(level))
+            if level:
+                sandbox.files.remove(f"/home/user/level-{level - 1}.txt")
+            if level == 4:  # a directory of the base replaced wholesale: opaque in the upper
+                sandbox.commands.run("sudo rm -rf /etc/apt && sudo mkdir /etc/apt && "
+                                     "sudo touch /etc/apt/only-this")
+            sandbox.commands.run("sudo rm -f /etc/debian_version" if level == 2 else "true")
+            snap = sandbox.create_snapshot()
+            snaps.append(snap.snapshot_id)
+            sandbox = Sandbox.create(snap.snapshot_id, timeout=120)
+            made.append(sandbox)
+        roots = _sealed_roots(server, snaps[-1])
+        assert len(roots) <= 8, roots  # compacted
+        assert any(r.name.endswith("-merged") for r in roots)
+        def out(cmd: str) -> list[str]:
+            return sandbox.commands.run(cmd).stdout.split()
+
+        assert out("ls /home/user") == ["latest.txt", "level-9.txt"]
+        assert out("ls /etc/apt") == ["only-this"]  # the base's /etc/apt stays hidden
+        assert out("cat /home/user/latest.txt; echo; test -e /etc/debian_version || echo gone"
+                   ) == ["9", "gone"]
+        assert sandbox.files.read("/home/user/level-9.txt") == "written at 9"
+    finally:
+        for s in made:
+            s.kill()
+        for snapshot_id in snaps:
+            Sandbox.delete_snapshot(snapshot_id)
+    assert not any((server.home / "layers").glob("seal-*")), "sealed layers left behind"

@@ -9,6 +9,7 @@ destroy() work on them as on any sandbox.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import secrets
 import statistics
@@ -19,9 +20,11 @@ from pathlib import Path
 
 import pytest
 from conftest import CreateFn
-from runtime_helpers import cgroup_read, http, new_id, run
+from runtime_helpers import cgroup_read, http, new_id, run, spec_for
 
+from aenv.config import Config
 from aenv.errors import AenvError, ErrorCode
+from aenv.runtime import pybundle
 from aenv.runtime.base import RuntimeHandle
 from aenv.runtime.container import checkpoint as ck
 from aenv.runtime.container import linux
@@ -83,7 +86,8 @@ def freezer(sandbox_id: str) -> Path:
 async def restore_new(driver: ContainerDriver, rootfs: Path, home: Path
                       ) -> AsyncIterator[RestoreFn]:
     """restore_new(images, netns=None, lazy=False) -> handle of a new sandbox (own id,
-    workspace with a copy of the image's upper, cgroups), destroyed afterwards."""
+    workspace with an empty upper over the image's sealed one, cgroups), destroyed
+    afterwards."""
     made: list[RuntimeHandle] = []
 
     async def _restore(images: Path, netns: Path | None = None,
@@ -92,10 +96,13 @@ async def restore_new(driver: ContainerDriver, rootfs: Path, home: Path
         ws = home / "sandboxes" / sid
         handle = RuntimeHandle("container", sid, {"workspace": str(ws), "envd_port": 49983})
         made.append(handle)
-        await ck.prepare_workspace(images, ws)
+        await ck.prepare_workspace(ws)
         dirs = await asyncio.to_thread(ck.create_cgroups, driver.cgroups, sid, memory_mb=256,
                                        cpu_count=1, pids_max=256)
-        res = await ck.restore(images, workspace=ws, lower=[driver.driver_layer, rootfs],
+        seal = ck.seal_layer(images)
+        assert seal is not None
+        res = await ck.restore(images, workspace=ws,
+                               lower=[driver.driver_layer, seal / "upper", rootfs],
                                cgroup_dirs=dirs, netns=netns, lazy=lazy)
         handle.data |= {"pid": res.pid, "start_time": res.start_time,
                         "restore_timings": res.timings}
@@ -319,3 +326,63 @@ async def test_bench_idle(driver: ContainerDriver, create: CreateFn, restore_new
           f"  resume -> envd ready: {_ms(resumes)}\n"
           + "".join(f"  fork x{n} -> all envds ready: {_ms(v)}\n" for n, v in forks.items()))
 
+
+
+@pytest.mark.slow
+async def test_an_image_restores_with_the_runtime_bundle_it_was_taken_with(
+        rootfs: Path, tmp_path: Path) -> None:
+    """A paused sandbox's processes have the runtime bundle's files mapped; CRIU restores
+    them only with those exact files. A rebuild of the bundle (an upgrade of envd) keeps the
+    version it replaces, and the restore finds it; if it is gone, the error says so."""
+    bundle = tmp_path / "py311"
+    await asyncio.to_thread(subprocess.run, ["cp", "-al", str(pybundle.BUNDLE_DIR), str(bundle)],
+                            check=True)
+    # Make the copy an "older build": one file differs from what a build now writes.
+    manifest = (bundle / pybundle.MANIFEST)
+    data = json.loads(manifest.read_text())
+    rel = "app/aenv/envd/__init__.py"
+    data["files"][rel][2] -= 1
+    manifest.unlink()  # a hard link to the real bundle's manifest: write a file of our own
+    manifest.write_text(json.dumps(data))
+    old_version = pybundle.bundle_id(bundle)
+    assert old_version is not None
+    home = tmp_path / "home"
+    home.mkdir()
+    config = Config()
+    config.server.home = home
+    drv = ContainerDriver(config, bundle=bundle, build_bundle=False,
+                          warm_processes=1, ready_pool=0)
+    await drv.start()
+    handle = None
+    try:
+        handle = await drv.create(spec_for(home, rootfs, allow_internet_access=False))
+        await run(drv, handle, "echo kept > /root/file")
+        paused = await drv.pause(handle)
+        images = Path(paused.data["images"])
+        assert (images / ck.BUNDLE_MARK).read_text() == old_version
+
+        report = await asyncio.to_thread(pybundle.build, bundle)  # the upgrade
+        assert report.copied >= 1
+        archive = pybundle.archived(bundle, old_version)
+        assert pybundle.bundle_id(bundle) != old_version
+        assert pybundle.bundle_id(archive) == old_version
+
+        spec = spec_for(home, rootfs, allow_internet_access=False,
+                        sandbox_id=handle.sandbox_id)
+        handle = await drv.resume(paused, spec)
+        r = await run(drv, handle, "cat /root/file")
+        assert r.stdout == "kept\n"
+        mounts = Path(f"/proc/{handle.data['pid']}/mountinfo").read_text()
+        assert f"py311-{old_version}" in mounts  # the archived files, not the rebuilt ones
+
+        paused = await drv.pause(handle)
+        await asyncio.to_thread(subprocess.run, ["rm", "-rf", str(archive)], check=True)
+        with pytest.raises(AenvError) as err:
+            await drv.resume(paused, spec)
+        assert err.value.code is ErrorCode.UNAVAILABLE
+        assert "no longer installed" in err.value.message
+        handle = paused
+    finally:
+        if handle is not None:
+            await drv.destroy(handle)
+        await drv.close()

@@ -18,10 +18,11 @@ from pathlib import Path
 
 import pytest
 from conftest import CreateFn, make_config
-from runtime_helpers import cgroup_read, http, new_id, run
+from runtime_helpers import cgroup_read, http, new_id, run, spec_for
 
 from aenv.errors import AenvError, ErrorCode
 from aenv.runtime.base import RuntimeDriver, RuntimeHandle, SandboxSpec
+from aenv.runtime.container.checkpoint import CRIU
 from aenv.runtime.container.driver import ContainerDriver
 from aenv.runtime.pybundle import BUNDLE_DIR
 
@@ -178,6 +179,37 @@ async def test_host_files_are_not_reachable(driver: ContainerDriver, create: Cre
     assert "rc=0" not in r.stdout, r
 
 
+# (Files and directories this host has: /proc/kcore, /proc/scsi... do not exist here.)
+MASK_PROBE = ("wc -c < /proc/keys; wc -c < /proc/timer_list; ls -A /proc/acpi | wc -l;"
+              " ls -A /sys/firmware | wc -l; touch /proc/acpi/x 2>/dev/null || echo ro;"
+              " echo $(ls /dev); findmnt -n -o FSTYPE /dev/shm; findmnt -n -o FSTYPE /dev/pts;"
+              " echo hi > /dev/shm/f && cat /dev/shm/f; ls /dev/pts | head -1")
+
+
+async def test_host_information_is_masked_and_dev_is_ours(driver: ContainerDriver,
+                                                          create: CreateFn, home: Path,
+                                                          rootfs: Path) -> None:
+    """/proc and /sys entries with host information read empty (and stay read-only, also
+    for root); /dev holds only the driver's nodes (not the template's), with its own devpts
+    and /dev/shm tmpfs. The same after a checkpoint and restore."""
+    handle = await create()
+    devices = ["core", "fd", "full", "null", "ptmx", "pts", "random", "shm", "stderr", "stdin",
+               "stdout", "tty", "urandom", "zero"]
+    expected = ["0", "0", "0", "0", "ro", *devices, "tmpfs", "devpts", "hi", "ptmx"]
+    # Controls: on the host these are not empty.
+    assert Path("/proc/timer_list").stat().st_size == 0  # procfs reports 0; read it instead
+    assert len(Path("/proc/timer_list").read_text()) > 0 and any(Path("/sys/firmware").iterdir())
+    r = await run(driver, handle, MASK_PROBE)
+    assert r.stdout.split() == expected, r
+    if not CRIU.exists():
+        return
+    paused = await driver.pause(handle)
+    handle = await driver.resume(paused, spec_for(home, rootfs, sandbox_id=handle.sandbox_id,
+                                                  allow_internet_access=False))
+    r = await run(driver, handle, MASK_PROBE)
+    assert r.stdout.split() == expected, r
+
+
 async def test_hostname_and_loopback(driver: ContainerDriver, create: CreateFn) -> None:
     handle = await create()
     r = await run(driver, handle, "hostname; cat /etc/hostname; grep -c \"$(hostname)\" /etc/hosts;"
@@ -193,7 +225,7 @@ async def test_connect_reaches_any_port(driver: ContainerDriver, create: CreateF
     handle = await create()
     with pytest.raises(AenvError) as err:
         await driver.connect(handle, 8080)
-    assert err.value.code == ErrorCode.UNAVAILABLE
+    assert err.value.code == ErrorCode.PORT_CLOSED  # running, but nothing listens there
     server = ("python3 -c 'import socket; s=socket.socket(); s.setsockopt(1, 2, 1);"
               " s.bind((\"127.0.0.1\", 8080)); s.listen(); c, _ = s.accept();"
               " c.sendall(b\"hello from inside\"); c.close()' >/dev/null 2>&1 &")

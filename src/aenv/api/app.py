@@ -22,11 +22,13 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from aenv.api.errors import error_response, from_aenv_error
+from aenv.api.images import ImageRoutes
 from aenv.api.proxy import SandboxProxy, route_by_headers, route_by_signature
 from aenv.api.routes import SandboxRoutes
 from aenv.config import Config
 from aenv.errors import AenvError
 from aenv.images.base import build_base_layer
+from aenv.images.pull import ImagePuller
 from aenv.orchestrator.manager import SandboxManager
 from aenv.orchestrator.models import TemplateRecord
 from aenv.orchestrator.store import Store
@@ -107,9 +109,13 @@ def build_server(config: Config, show_progress: bool = True) -> Server:
 
     repository = Repository(open_blob_store(config.snapshot, config.home))
     snapshots = LocalCache(layout.cache_dir / "snapshots", config.snapshot.cache_bytes, repository)
-    manager = SandboxManager(config, layout, store, driver, ensure_templates, snapshots)
+    manager = SandboxManager(config, layout, store, driver, ensure_templates, snapshots,
+                             load_driver=lambda name: load_driver(name, config))
     proxy = SandboxProxy(manager)
     routes = SandboxRoutes(manager, config)
+    puller = ImagePuller(config, layout, store)
+    puller.sweep()
+    images = ImageRoutes(puller, store)
 
     async def health(_: Request) -> Response:
         return Response(status_code=204)
@@ -136,7 +142,7 @@ def build_server(config: Config, show_progress: bool = True) -> Server:
             store.close()
 
     control = Starlette(
-        routes=[Route("/health", health, methods=["GET"]), *routes.routes()],
+        routes=[Route("/health", health, methods=["GET"]), *routes.routes(), *images.routes()],
         exception_handlers={AenvError: on_aenv_error, HTTPException: on_http_error,
                             Exception: on_crash},
         lifespan=lifespan,

@@ -16,6 +16,7 @@ STATUS_BY_CODE: dict[ErrorCode, int] = {
     ErrorCode.DATA_LOSS: 500,
     ErrorCode.NOT_SUPPORTED: 501,
     ErrorCode.UNAVAILABLE: 503,
+    ErrorCode.PORT_CLOSED: 502,
     ErrorCode.TIMEOUT: 504,
 }
 

@@ -180,8 +180,7 @@ class SandboxProxy:
         try:
             conn = await self._open(target)
         except AenvError as exc:
-            if exc.code is ErrorCode.UNAVAILABLE and "is paused" not in exc.message \
-                    and "not running" not in exc.message:
+            if exc.code is ErrorCode.PORT_CLOSED:
                 await self._not_running(send, target,
                                         f"The sandbox is running but port is not open: {exc.message}")
             else:

@@ -32,7 +32,7 @@ from aenv.api.schemas import (
 )
 from aenv.config import Config
 from aenv.errors import AenvError, invalid, not_found
-from aenv.orchestrator.manager import SandboxManager
+from aenv.orchestrator.manager import RUNTIME_METADATA_KEY, SandboxManager
 from aenv.orchestrator.models import CreateRequest, ListQuery
 
 M = TypeVar("M", bound=BaseModel)
@@ -100,6 +100,7 @@ class SandboxRoutes:
             auto_resume=bool(body.auto_resume and body.auto_resume.enabled),
             allow_internet_access=(True if body.allow_internet_access is None
                                    else body.allow_internet_access),
+            runtime=body.runtime or (body.metadata or {}).get(RUNTIME_METADATA_KEY),
         ))
         return JSONResponse(sandbox_body(rec, self.domain), status_code=201)
 

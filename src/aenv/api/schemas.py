@@ -34,6 +34,9 @@ class NewSandbox(_Body):
     allow_internet_access: bool | None = None
     network: dict[str, Any] | None = None
     secure: bool | None = None
+    # aenv's own: the runtime driver for this sandbox ("container", "qemu", ...); the
+    # metadata key `aenv.runtime` says the same for clients that cannot add fields (the SDK).
+    runtime: str | None = Field(default=None, min_length=1, max_length=64)
 
 
 class ConnectSandbox(_Body):
@@ -59,7 +62,7 @@ class ForkBody(_Body):
 
 
 def snapshot_body(tpl: TemplateRecord) -> dict[str, Any]:
-    return {"snapshotID": tpl.template_id, "names": tpl.names,
+    return {"snapshotID": tpl.template_id, "names": tpl.names, "layers": list(tpl.layers),
             "cpuCount": tpl.cpu_count, "memoryMB": tpl.memory_mb, "diskSizeMB": tpl.disk_size_mb,
             **({"sandboxID": tpl.source_sandbox} if tpl.source_sandbox else {}),
             **({"createdAt": _ts(tpl.created_at)} if tpl.created_at else {}),
@@ -110,6 +113,8 @@ def detail_body(rec: SandboxRecord, domain: str | None) -> dict[str, Any]:
         "lifecycle": {"autoResume": rec.auto_resume,
                       "onTimeout": "pause" if rec.auto_pause else "kill"},
         "runtime": rec.runtime,
+        # VM runtimes record their accelerator (kvm or tcg) in the handle.
+        **({"runtimeAccelerator": rec.handle["accel"]} if rec.handle.get("accel") else {}),
     }
 
 

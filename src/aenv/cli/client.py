@@ -86,6 +86,28 @@ class Client:
             raise ApiError(resp.status_code, message)
         return resp
 
+    def stream_lines(self, method: str, path: str, body: Any = None) -> Iterator[dict[str, Any]]:
+        """A request whose answer is NDJSON (e.g. pull progress): yields each object."""
+        try:
+            with self._http() as http, http.stream(method, path, json=body,
+                                                   timeout=httpx.Timeout(self.timeout, read=None)
+                                                   ) as resp:
+                if resp.status_code >= 400:
+                    resp.read()
+                    try:
+                        message = str(resp.json().get("message", resp.text))
+                    except ValueError:
+                        message = resp.text
+                    raise ApiError(resp.status_code, message)
+                for line in resp.iter_lines():
+                    if line.strip():
+                        yield json.loads(line)
+        except httpx.ConnectError:
+            raise ApiError(0, f"cannot reach the aenv server at {self.url} "
+                              "(start it with `aenv serve`, or set --url / AENV_URL)") from None
+        except httpx.HTTPError as exc:
+            raise ApiError(0, f"connection to the aenv server lost: {exc}") from None
+
     # ------------------------------------------------------------------ envd via the proxy
     def _envd_headers(self, sandbox_id: str, token: str | None, user: str | None = None
                       ) -> dict[str, str]:

@@ -14,6 +14,7 @@ from typing import Any
 
 from aenv.cli.client import ApiError, Client, save_credentials
 from aenv.cli.output import emit
+from aenv.cli.pull import cmd_pull, cmd_template
 
 SANDBOX_COLUMNS = ("sandboxID", "templateID", "state", "startedAt", "endAt", "cpuCount",
                    "memoryMB")
@@ -260,6 +261,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("target", nargs="?")
     p.add_argument("--name")
 
+    p = sub.add_parser("pull", parents=[common], help="pull an OCI image into a template")
+    p.add_argument("image", help="image reference, e.g. alpine, python:3.12, host:5000/repo:tag")
+    p.add_argument("--name", help="template name (default: the normalised image reference)")
+    p.add_argument("--insecure", action="store_true", help="plain-HTTP registry")
+
+    p = sub.add_parser("template", parents=[common], help="template ls | rm TEMPLATE...")
+    p.add_argument("action", choices=("ls", "rm"))
+    p.add_argument("targets", nargs="*", help="template ids or names (rm)")
+
     p = sub.add_parser("info", parents=[common], help="show one sandbox")
     p.add_argument("sandbox_id")
     return parser
@@ -268,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
 CLIENT_VERBS: dict[str, Callable[[argparse.Namespace, Client], int]] = {
     "auth": cmd_auth, "start": cmd_start, "exec": cmd_exec, "ls": cmd_ls, "rm": cmd_rm,
     "timeout": cmd_timeout, "info": cmd_info, "pause": cmd_pause, "resume": cmd_resume,
-    "fork": cmd_fork, "snapshot": cmd_snapshot,
+    "fork": cmd_fork, "snapshot": cmd_snapshot, "pull": cmd_pull, "template": cmd_template,
 }
 
 

@@ -14,7 +14,7 @@ import json
 import logging
 import shutil
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -31,6 +31,7 @@ from aenv.orchestrator.models import (
 )
 from aenv.orchestrator.store import Store
 from aenv.runtime.base import (
+    LayerSealingDriver,
     PausableDriver,
     ReadyShape,
     ResourceUsage,
@@ -47,6 +48,8 @@ log = logging.getLogger("aenv.orchestrator")
 SWEEP_INTERVAL_S = 0.5
 PAUSE_RETRY_S = 30  # a sandbox whose pause failed at expiry is tried again this much later
 MAX_FORK = 100  # children per fork call (the API limit; 16 is the case we optimise)
+SEAL_PREFIX = "seal-"  # layer ids of sealed writable layers (snapshots), owned by the manager
+RUNTIME_METADATA_KEY = "aenv.runtime"  # metadata naming a sandbox's runtime (SDK clients)
 
 
 def utcnow() -> datetime:
@@ -56,11 +59,15 @@ def utcnow() -> datetime:
 class SandboxManager:
     def __init__(self, config: Config, layout: Layout, store: Store, driver: RuntimeDriver,
                  ensure_templates: Callable[[], Awaitable[None]] | None = None,
-                 snapshots: LocalCache | None = None) -> None:
+                 snapshots: LocalCache | None = None,
+                 load_driver: Callable[[str], RuntimeDriver] | None = None) -> None:
         self.config = config
         self.layout = layout
         self.store = store
-        self.driver = driver
+        self.driver = driver  # the default runtime; others start on first use (load_driver)
+        self._drivers: dict[str, RuntimeDriver] = {driver.name: driver}
+        self._load_driver = load_driver
+        self._drivers_lock = asyncio.Lock()
         self._ensure_templates = ensure_templates
         self._records: dict[str, SandboxRecord] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -70,6 +77,10 @@ class SandboxManager:
         # Snapshots live in the durable repository; `snapshots` is the bounded local cache in
         # front of it (None: snapshots stay local only, in layout.snapshots_dir).
         self.snapshots = snapshots
+        # Sealed layers being made or used by a create that is not recorded yet: the layer
+        # collector must not take them (layer id -> number of users).
+        self._layers_in_flight: dict[str, int] = {}
+        self._layer_locks: dict[str, asyncio.Lock] = {}
 
     # ---------------------------------------------------------------- start / stop
     async def start(self) -> None:
@@ -80,6 +91,7 @@ class SandboxManager:
         self._configure_ready_pool()
         for rec in list(self.store.iter_sandboxes()):
             await self._reattach(rec)
+        await self._collect_layers()
         self._sweeper = asyncio.create_task(self._sweep_forever(), name="aenv-ttl-sweeper")
 
     def _configure_ready_pool(self) -> None:
@@ -102,20 +114,55 @@ class SandboxManager:
                 await self._sweeper
             except asyncio.CancelledError:
                 pass
-        await self.driver.close()
+        for driver in self._drivers.values():
+            await driver.close()
+
+    async def runtime(self, name: str | None) -> RuntimeDriver:
+        """The runtime driver called `name` (None: the default), started on first use."""
+        if name is None:
+            return self.driver
+        driver = self._drivers.get(name)
+        if driver is not None:
+            return driver
+        if self._load_driver is None:
+            raise invalid(f"runtime {name!r} is not available on this server")
+        async with self._drivers_lock:
+            driver = self._drivers.get(name)
+            if driver is None:
+                driver = self._load_driver(name)  # unknown names: invalid_argument
+                await driver.start()
+                self._drivers[name] = driver
+                log.info("runtime %s started", name)
+        return driver
+
+    def _driver(self, rec: SandboxRecord) -> RuntimeDriver:
+        driver = self._drivers.get(rec.runtime)
+        if driver is None:
+            raise AenvError(ErrorCode.UNAVAILABLE,
+                            f"sandbox {rec.sandbox_id}: its runtime {rec.runtime!r} is not "
+                            "running on this server")
+        return driver
 
     async def _reattach(self, rec: SandboxRecord) -> None:
+        try:
+            driver = await self.runtime(rec.runtime)
+        except AenvError as exc:
+            # Kept as it is (nothing is deleted): operations on it say what is missing.
+            log.error("sandbox %s: runtime %s unavailable: %s", rec.sandbox_id, rec.runtime,
+                      exc.message)
+            self._records[rec.sandbox_id] = rec
+            return
         if rec.state is SandboxState.PAUSED:
             self._records[rec.sandbox_id] = rec
             return
         handle = RuntimeHandle(rec.runtime, rec.sandbox_id, rec.handle)
-        alive = rec.state is SandboxState.RUNNING and await self.driver.attach(handle)
+        alive = rec.state is SandboxState.RUNNING and await driver.attach(handle)
         if alive:
             self._records[rec.sandbox_id] = rec
             return
         log.warning("sandbox %s (%s) did not survive the restart; removing its record",
                     rec.sandbox_id, rec.state)
-        await self.driver.destroy(handle)
+        await driver.destroy(handle)
         self.store.delete_sandbox(rec.sandbox_id)
 
     # ---------------------------------------------------------------- queries
@@ -173,6 +220,10 @@ class SandboxManager:
             if not all(isinstance(k, str) and isinstance(v, str) for k, v in bag.items()):
                 raise invalid(f"{name} must map strings to strings")
         tpl = self.find_template(req.template)
+        if tpl.runtime is not None and req.runtime not in (None, tpl.runtime):
+            raise invalid(f"snapshot {tpl.template_id} was taken by the {tpl.runtime} runtime; "
+                          f"it cannot start on {req.runtime}")
+        driver = await self.runtime(tpl.runtime or req.runtime)
         if len(self._records) + self._creating >= self.config.sandbox.max_sandboxes:
             raise AenvError(ErrorCode.RESOURCE_EXHAUSTED,
                             f"node is at its limit of {self.config.sandbox.max_sandboxes} sandboxes")
@@ -185,18 +236,22 @@ class SandboxManager:
             envd_access_token=new_access_token(), metadata=dict(req.metadata),
             env_vars={**tpl.env_vars, **req.env_vars}, alias=tpl.names[0] if tpl.names else None,
             auto_pause=req.auto_pause, auto_resume=req.auto_resume,
-            allow_internet_access=req.allow_internet_access, runtime=self.driver.name,
+            allow_internet_access=req.allow_internet_access, runtime=driver.name,
+            layers=list(tpl.layers),
         )
         if tpl.allow_internet_access is not None:
             rec.allow_internet_access = tpl.allow_internet_access  # a copy keeps its network
         spec = self._spec(rec, tpl)
         self._creating += 1
         try:
-            if tpl.image is not None:
-                async with self._image(tpl.image) as images:
-                    handle = await self._snapshot_driver().restore(spec, images, tpl.image_token)
-            else:
-                handle = await self.driver.create(spec)
+            with self._layers_held(tpl.layers):
+                if tpl.image is not None:
+                    await self._ensure_layers(tpl.layers)
+                    async with self._image(tpl.image) as images:
+                        handle = await _snapshot_driver(driver).restore(spec, images,
+                                                                         tpl.image_token)
+                else:
+                    handle = await driver.create(spec)
         finally:
             self._creating -= 1
         rec.handle = handle.data
@@ -210,7 +265,7 @@ class SandboxManager:
     def _spec(self, rec: SandboxRecord, tpl: TemplateRecord) -> SandboxSpec:
         return SandboxSpec(
             sandbox_id=rec.sandbox_id,
-            lower_layers=tuple(self.layout.layer(layer) for layer in tpl.layers),
+            lower_layers=tuple(self.layout.layer(layer) for layer in rec.layers or tpl.layers),
             workspace=self.layout.workspace(rec.sandbox_id),
             cpu_count=rec.cpu_count, memory_mb=rec.memory_mb,
             pids_max=self.config.sandbox.pids_max, env_vars=rec.env_vars,
@@ -243,11 +298,12 @@ class SandboxManager:
             self._commit(replace(rec, state=SandboxState.KILLING))
             self._stopped_serving(sandbox_id)
             try:
-                await self.driver.destroy(self._handle(rec))
+                await self._driver(rec).destroy(self._handle(rec))
             finally:
                 self._records.pop(sandbox_id, None)
                 self._locks.pop(sandbox_id, None)
                 self.store.delete_sandbox(sandbox_id)
+        await self._collect_layers()
 
     async def set_timeout(self, sandbox_id: str, timeout_s: int) -> SandboxRecord:
         self._check_timeout(timeout_s)
@@ -275,13 +331,14 @@ class SandboxManager:
                 raise AenvError(ErrorCode.CONFLICT, f"sandbox {sandbox_id} is already paused")
             if rec.state is not SandboxState.RUNNING:
                 raise AenvError(ErrorCode.CONFLICT, f"sandbox {sandbox_id} is {rec.state.value}")
-            if not isinstance(self.driver, PausableDriver):
+            driver = self._driver(rec)
+            if not isinstance(driver, PausableDriver):
                 raise AenvError(ErrorCode.NOT_SUPPORTED,
                                 f"pause is not supported by the {rec.runtime} runtime yet")
             self._commit(replace(rec, state=SandboxState.PAUSING))
             self._stopped_serving(sandbox_id)
             try:
-                handle = await self.driver.pause(self._handle(rec))
+                handle = await driver.pause(self._handle(rec))
             except BaseException:
                 # A failed checkpoint leaves the sandbox running (CRIU resumes it).
                 self._commit(rec)
@@ -289,13 +346,14 @@ class SandboxManager:
             self._commit(replace(rec, state=SandboxState.PAUSED, handle=handle.data))
 
     async def _resume_locked(self, rec: SandboxRecord, timeout_s: int) -> SandboxRecord:
-        if not isinstance(self.driver, PausableDriver):
+        driver = self._driver(rec)
+        if not isinstance(driver, PausableDriver):
             raise AenvError(ErrorCode.NOT_SUPPORTED,
                             f"resume is not supported by the {rec.runtime} runtime yet")
         spec = self._spec(rec, self.find_template(rec.template_id))
         self._commit(replace(rec, state=SandboxState.RESUMING))
         try:
-            handle = await self.driver.resume(self._handle(rec), spec)
+            handle = await driver.resume(self._handle(rec), spec)
         except BaseException:
             self._commit(rec)  # still paused: its image is intact
             raise
@@ -303,11 +361,6 @@ class SandboxManager:
                                     end_at=utcnow() + timedelta(seconds=timeout_s)))
 
     # ---------------------------------------------------------------- snapshots and forks
-    def _snapshot_driver(self) -> SnapshotDriver:
-        if not isinstance(self.driver, SnapshotDriver):
-            raise AenvError(ErrorCode.NOT_SUPPORTED,
-                            f"snapshots are not supported by the {self.driver.name} runtime")
-        return self.driver
 
     @contextlib.asynccontextmanager
     async def _image(self, image: str) -> AsyncIterator[Path]:
@@ -321,35 +374,46 @@ class SandboxManager:
 
     async def snapshot(self, sandbox_id: str, name: str | None = None) -> TemplateRecord:
         """Capture a running sandbox (paused only while it is frozen) as a template that new
-        sandboxes start from, by id or name. The snapshot is in the repository (durable)
-        before it is listed."""
+        sandboxes start from, by id or name. The snapshot (its image and every sealed layer
+        it stacks on) is in the repository (durable) before it is listed."""
         tpl = await self._capture(sandbox_id, name)
-        if self.snapshots is not None:
-            images = Path(tpl.image or "")
-            try:
-                pushed = await self.snapshots.repository.push(tpl.template_id, images)
-                await self.snapshots.adopt(tpl.template_id, images)
-                tpl.size_bytes, tpl.stored_bytes = pushed.bytes_total, pushed.bytes_uploaded
-                log.info("snapshot %s of %s: %d bytes, %d new in the repository (%.2f s)",
-                         tpl.template_id, sandbox_id, pushed.bytes_total, pushed.bytes_uploaded,
-                         pushed.seconds)
-            except BaseException:
-                await asyncio.to_thread(shutil.rmtree, images, True)
-                raise
-            tpl.image = tpl.template_id
-        self.store.put_template(tpl)
+        with self._layers_held(tpl.layers):
+            if self.snapshots is not None:
+                images = Path(tpl.image or "")
+                try:
+                    repository = self.snapshots.repository
+                    pushed = await repository.push(tpl.template_id, images)
+                    size, stored = pushed.bytes_total, pushed.bytes_uploaded
+                    for layer in tpl.layers:
+                        if layer.startswith(SEAL_PREFIX) and not await repository.exists(
+                                _layer_key(layer)):
+                            pushed = await repository.push(_layer_key(layer),
+                                                           self.layout.layer(layer))
+                            size, stored = size + pushed.bytes_total, stored + pushed.bytes_uploaded
+                    await self.snapshots.adopt(tpl.template_id, images)
+                    tpl.size_bytes, tpl.stored_bytes = size, stored
+                    log.info("snapshot %s of %s: %d bytes, %d new in the repository",
+                             tpl.template_id, sandbox_id, size, stored)
+                except BaseException:
+                    await asyncio.to_thread(shutil.rmtree, images, True)
+                    raise
+                tpl.image = tpl.template_id
+            self.store.put_template(tpl)
         return tpl
 
     async def _capture(self, sandbox_id: str, name: str | None) -> TemplateRecord:
-        """Checkpoint a running sandbox into a local image; the record is not stored."""
-        driver = self._snapshot_driver()
+        """Checkpoint a running sandbox into a local image; the record is not stored. Its
+        writable layer, sealed, becomes a layer of the returned template (held in flight:
+        the caller stores the template or lets the layer go)."""
         if name is not None and self.store.find_template(name) is not None:
             raise AenvError(ErrorCode.CONFLICT, f"a template or snapshot named '{name}' exists")
         async with self._lock(sandbox_id):
             rec = self.get(sandbox_id)
             if rec.state is not SandboxState.RUNNING:
                 raise AenvError(ErrorCode.CONFLICT, f"sandbox {sandbox_id} is {rec.state.value}")
+            driver = _snapshot_driver(self._driver(rec))
             source = self.find_template(rec.template_id)
+            layers = list(rec.layers or source.layers)
             snapshot_id = "snap" + new_sandbox_id()[4:]
             images = self.layout.snapshot(snapshot_id)
             try:
@@ -357,14 +421,99 @@ class SandboxManager:
             except BaseException:
                 await asyncio.to_thread(shutil.rmtree, images, True)
                 raise
+        if isinstance(driver, LayerSealingDriver):
+            sealed = driver.sealed_layer(images)
+            if sealed is not None:
+                root = SEAL_PREFIX + snapshot_id
+                self._hold_layers([root])
+                try:
+                    path = await asyncio.to_thread(driver.adopt_sealed, sealed,
+                                                   self.layout.layer(root))
+                    layer = path.relative_to(self.layout.layers_dir).as_posix()
+                    layers = await self._compact(driver, [layer, *layers], snapshot_id)
+                finally:
+                    self._release_layers([root])
         tpl = TemplateRecord(
-            template_id=snapshot_id, names=[name] if name else [], layers=source.layers,
+            template_id=snapshot_id, names=[name] if name else [], layers=layers,
             cpu_count=rec.cpu_count, memory_mb=rec.memory_mb, disk_size_mb=rec.disk_size_mb,
             default_user=source.default_user, default_workdir=source.default_workdir,
             env_vars=dict(rec.env_vars), created_at=utcnow(), image=str(images),
             image_token=rec.envd_access_token, source_sandbox=sandbox_id,
-            allow_internet_access=rec.allow_internet_access)
+            allow_internet_access=rec.allow_internet_access, runtime=rec.runtime)
         return tpl
+
+    # ---------------------------------------------------------------- sealed layers
+    async def _compact(self, driver: LayerSealingDriver, layers: list[str], snapshot_id: str
+                       ) -> list[str]:
+        """Past `snapshot.max_sealed_layers` sealed layers on top of a stack (a chain of
+        snapshots of restored snapshots), merge them into one, so that the depth of an
+        overlay stack (and the cost of every lookup in it) stays bounded."""
+        sealed = [layer for layer in layers if layer.startswith(SEAL_PREFIX)]
+        if len(sealed) <= self.config.snapshot.max_sealed_layers:
+            return layers
+        merged = f"{SEAL_PREFIX}{snapshot_id}-merged"
+        self._hold_layers([merged])
+        try:
+            await asyncio.to_thread(driver.merge_layers,
+                                    [self.layout.layer(layer) for layer in sealed],
+                                    self.layout.layer(merged))
+        finally:
+            self._release_layers([merged])
+        log.info("snapshot %s: compacted %d sealed layers into %s", snapshot_id, len(sealed),
+                 merged)
+        return [merged, *[layer for layer in layers if not layer.startswith(SEAL_PREFIX)]]
+
+    def _hold_layers(self, layers: list[str]) -> None:
+        for layer in map(_layer_root, layers):
+            self._layers_in_flight[layer] = self._layers_in_flight.get(layer, 0) + 1
+
+    def _release_layers(self, layers: list[str]) -> None:
+        for layer in map(_layer_root, layers):
+            left = self._layers_in_flight.get(layer, 0) - 1
+            if left > 0:
+                self._layers_in_flight[layer] = left
+            else:
+                self._layers_in_flight.pop(layer, None)
+
+    @contextlib.contextmanager
+    def _layers_held(self, layers: list[str]) -> Iterator[None]:
+        self._hold_layers(layers)
+        try:
+            yield
+        finally:
+            self._release_layers(layers)
+
+    async def _ensure_layers(self, layers: list[str]) -> None:
+        """Sealed layers of a snapshot that are not on local disk (the node's cache was
+        wiped, or the snapshot was made on another node) come from the repository."""
+        for layer in layers:
+            path = self.layout.layer(layer)
+            if not layer.startswith(SEAL_PREFIX) or path.exists():
+                continue
+            if self.snapshots is None:
+                raise not_found(f"layer {layer} is missing and there is no repository")
+            async with self._layer_locks.setdefault(layer, asyncio.Lock()):
+                if not path.exists():
+                    stats = await self.snapshots.repository.pull(_layer_key(layer), path)
+                    log.info("layer %s pulled from the repository (%d bytes, %.2f s)", layer,
+                             stats.bytes_total, stats.seconds)
+
+    async def _collect_layers(self) -> None:
+        """Remove local sealed layers that no template, sandbox or operation uses any more."""
+        drivers = [d for d in self._drivers.values() if isinstance(d, LayerSealingDriver)]
+        if not drivers or not self.layout.layers_dir.is_dir():
+            return
+        driver = drivers[0]
+        used = set(self._layers_in_flight)
+        used.update(_layer_root(layer) for tpl in self.store.iter_templates()
+                    for layer in tpl.layers)
+        used.update(_layer_root(layer) for rec in self._records.values() for layer in rec.layers)
+        for path in self.layout.layers_dir.glob(SEAL_PREFIX + "*"):
+            if path.name not in used:
+                try:
+                    await asyncio.to_thread(driver.remove_layer, path)
+                except (OSError, AenvError) as exc:
+                    log.warning("could not remove unused layer %s: %s", path.name, exc)
 
     def list_snapshots(self, sandbox_id: str | None = None, name: str | None = None
                        ) -> list[TemplateRecord]:
@@ -384,7 +533,15 @@ class SandboxManager:
         elif self.snapshots is not None:
             if tpl.image in self.snapshots and not self.snapshots.is_pinned(tpl.image):
                 await self.snapshots.evict(tpl.image)
-            await self.snapshots.repository.delete(tpl.image)
+            repository = self.snapshots.repository
+            await repository.delete(tpl.image)
+            # Its sealed layers leave the repository with the last snapshot that stacks on them.
+            still_used = {layer for t in self.store.iter_templates() for layer in t.layers}
+            for layer in tpl.layers:
+                if (layer.startswith(SEAL_PREFIX) and layer not in still_used
+                        and await repository.exists(_layer_key(layer))):
+                    await repository.delete(_layer_key(layer))
+        await self._collect_layers()
 
     async def fork(self, sandbox_id: str, count: int, timeout_s: int | None
                    ) -> list[SandboxRecord | AenvError]:
@@ -397,7 +554,8 @@ class SandboxManager:
         timeout = timeout_s if timeout_s is not None else max(
             1, int((parent.end_at - utcnow()).total_seconds()))
         self._check_timeout(timeout)
-        # The fork's image is local and short-lived: no trip through the repository.
+        # The fork's image is local and short-lived: no trip through the repository. Its
+        # sealed layer stays as long as a child runs on it.
         tpl = await self._capture(sandbox_id, None)
         self.store.put_template(tpl)
         try:
@@ -429,7 +587,7 @@ class SandboxManager:
         rec = self.get(sandbox_id)
         if rec.state is not SandboxState.RUNNING:
             raise AenvError(ErrorCode.CONFLICT, f"sandbox {sandbox_id} is not running")
-        return utcnow(), await self.driver.stats(self._handle(rec))
+        return utcnow(), await self._driver(rec).stats(self._handle(rec))
 
     async def open_port(self, sandbox_id: str, port: int) -> socket.socket:
         """A connection to `port` inside a running sandbox (the proxy's way in)."""
@@ -441,7 +599,7 @@ class SandboxManager:
                     rec = await self._resume_locked(rec, self.config.sandbox.timeout_s)
         if rec.state is not SandboxState.RUNNING:
             raise AenvError(ErrorCode.UNAVAILABLE, f"sandbox {sandbox_id} is {rec.state.api_state}")
-        return await self.driver.connect(self._handle(rec), port)
+        return await self._driver(rec).connect(self._handle(rec), port)
 
     def running_ids(self) -> list[str]:
         return [r.sandbox_id for r in self._records.values() if r.state is SandboxState.RUNNING]
@@ -484,6 +642,24 @@ class SandboxManager:
                             sandbox_id)
         await self.kill(sandbox_id)
         log.info("sandbox %s expired and was killed", sandbox_id)
+
+
+def _snapshot_driver(driver: RuntimeDriver) -> SnapshotDriver:
+    if not isinstance(driver, SnapshotDriver):
+        raise AenvError(ErrorCode.NOT_SUPPORTED,
+                        f"snapshots are not supported by the {driver.name} runtime")
+    return driver
+
+
+def _layer_root(layer: str) -> str:
+    """The directory of layers_dir a layer id lives in (a sealed layer's id can name a
+    directory inside it: `seal-<snapshot>/upper`)."""
+    return layer.split("/", 1)[0]
+
+
+def _layer_key(layer: str) -> str:
+    """The repository entry holding a sealed layer."""
+    return "layer-" + _layer_root(layer)
 
 
 def _encode_cursor(rec: SandboxRecord) -> str:

@@ -46,8 +46,11 @@ class TemplateRecord:
     image_token: str | None = None  # envd's access token inside the image
     source_sandbox: str | None = None
     allow_internet_access: bool | None = None  # the source's network mode, kept by copies
+    runtime: str | None = None  # the runtime that took the image (only it can restore it)
     size_bytes: int | None = None  # the image's size
     stored_bytes: int | None = None  # what it added to the repository (the rest was deduplicated)
+    # Templates pulled from an OCI image: registry/repository@sha256:<manifest digest>.
+    source_image: str | None = None
 
 
 @dataclass
@@ -70,6 +73,9 @@ class SandboxRecord:
     allow_internet_access: bool = True
     runtime: str = "container"
     handle: dict[str, Any] = field(default_factory=dict)
+    # The root filesystem layers the sandbox runs on, top first: its template's, under the
+    # sealed layers of the snapshots it descends from. Empty in records of older servers.
+    layers: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -81,6 +87,7 @@ class CreateRequest:
     auto_pause: bool = True
     auto_resume: bool = False
     allow_internet_access: bool = True
+    runtime: str | None = None  # a runtime driver by name; None: the server's default
 
 
 @dataclass

@@ -8,6 +8,7 @@ destroy; later pause, resume, snapshot, restore and fork. Operations a driver ca
 from __future__ import annotations
 
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -92,7 +93,8 @@ class RuntimeDriver(Protocol):
 
     async def connect(self, handle: RuntimeHandle, port: int) -> socket.socket:
         """A connected, non-blocking TCP socket to 127.0.0.1:`port` inside the sandbox.
-        Raises AenvError(UNAVAILABLE) when nothing listens there."""
+        Raises AenvError(PORT_CLOSED) when nothing listens there, AenvError(UNAVAILABLE)
+        when the sandbox is not running."""
 
     async def stats(self, handle: RuntimeHandle) -> ResourceUsage:
         """Current resource usage of the sandbox."""
@@ -124,3 +126,24 @@ class SnapshotDriver(Protocol):
     async def restore(self, spec: SandboxSpec, images: Path, image_token: str | None
                       ) -> RuntimeHandle:
         """Start the sandbox `spec` from `images`, with `spec`'s identity and token."""
+
+
+@runtime_checkable
+class LayerSealingDriver(Protocol):
+    """A snapshot driver whose snapshots seal the sandbox's writable layer into a read-only
+    layer (`<images>/...`), which copies then stack under their own empty writable layer
+    (shared, never copied). The orchestrator takes the sealed layer out of the image, names
+    it, and owns its lifetime; these blocking calls do the filesystem work."""
+
+    def sealed_layer(self, images: Path) -> Path | None:
+        """The layer `snapshot()` sealed into `images`, or None."""
+
+    def adopt_sealed(self, sealed: Path, dest: Path) -> Path:
+        """Move a sealed layer out of its image to `dest` (a rename where possible); return
+        the directory (`dest` or one inside it) to stack as the layer."""
+
+    def merge_layers(self, layers: Sequence[Path], dest: Path) -> None:
+        """Compact sealed layers (top first) into the one new layer `dest`."""
+
+    def remove_layer(self, path: Path) -> None:
+        """Delete a sealed layer (a `dest` given to adopt_sealed or merge_layers). Idempotent."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import compileall
+import hashlib
 import json
 import os
 import re
@@ -248,8 +249,48 @@ def default_prefix() -> Path:
     return Path(sys.base_prefix)
 
 
+def bundle_id(dest: Path = BUNDLE_DIR) -> str | None:
+    """The version of the bundle at `dest` (a digest of its manifest), None if it has none."""
+    try:
+        return hashlib.sha256((dest / MANIFEST).read_bytes()).hexdigest()[:16]
+    except OSError:
+        return None
+
+
+def archived(dest: Path, version: str) -> Path:
+    """Where the bundle version `version` of `dest` is kept once a rebuild replaced it."""
+    return dest.with_name(f"{dest.name}-{version}")
+
+
+def resolve(version: str, dest: Path = BUNDLE_DIR) -> Path | None:
+    """The directory holding bundle version `version` (current or archived), or None."""
+    if bundle_id(dest) == version:
+        return dest
+    old = archived(dest, version)
+    return old if bundle_id(old) == version else None
+
+
+def _archive(dest: Path) -> tuple[str, Path] | None:
+    """Keep the current version of `dest` before a rebuild changes it: paused sandboxes and
+    snapshots were taken with its exact files mapped, and CRIU restores them only with the
+    same files. A tree of hard links (no data copied): the rebuild replaces files by rename,
+    so the links keep the old contents."""
+    version = bundle_id(dest)
+    if version is None or not (dest / COMPLETE).exists():
+        return None
+    target = archived(dest, version)
+    if target.exists():
+        return None
+    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    subprocess.run(["cp", "-al", str(dest), str(tmp)], check=True, capture_output=True)
+    os.replace(tmp, target)
+    return version, target
+
+
 def build(dest: Path = BUNDLE_DIR, prefix: Path | None = None, strip: bool = True) -> BuildReport:
-    """Create or update the bundle at `dest`. Safe to run while sandboxes use it."""
+    """Create or update the bundle at `dest`. Safe to run while sandboxes use it; the version
+    it replaces stays available (`resolve()`) for paused sandboxes and snapshots."""
     if sys.version_info[:2] != (3, 11):
         raise SystemExit("pybundle: must run on python 3.11 (the .pyc files are version-bound)")
     if sysconfig.get_config_var("Py_ENABLE_SHARED") not in (1, "1"):
@@ -257,7 +298,10 @@ def build(dest: Path = BUNDLE_DIR, prefix: Path | None = None, strip: bool = Tru
     package_root = Path(__file__).resolve().parent.parent  # src/aenv
     builder = _Builder(dest, prefix or default_prefix(), package_root, strip)
     builder.collect()
+    kept = _archive(dest)
     builder.sync()
+    if kept is not None and bundle_id(dest) == kept[0]:
+        shutil.rmtree(kept[1])  # nothing changed: no old version to keep
     return builder.report
 
 

@@ -11,7 +11,7 @@ from aenv.config import Config
 from aenv.errors import AenvError, ErrorCode
 from aenv.runtime.base import RuntimeDriver
 
-DRIVERS = ("container",)
+DRIVERS = ("container", "firecracker", "qemu")
 
 
 def load_driver(name: str, config: Config) -> RuntimeDriver:
@@ -20,5 +20,13 @@ def load_driver(name: str, config: Config) -> RuntimeDriver:
         from aenv.runtime.container.driver import ContainerDriver
 
         return ContainerDriver(config)
+    if name == "qemu":
+        from aenv.runtime.qemu.driver import QemuDriver
+
+        return QemuDriver(config)
+    if name == "firecracker":
+        from aenv.runtime.firecracker.driver import FirecrackerDriver
+
+        return FirecrackerDriver(config)
     raise AenvError(ErrorCode.INVALID_ARGUMENT,
                     f"unknown runtime driver {name!r} (available: {', '.join(DRIVERS)})")

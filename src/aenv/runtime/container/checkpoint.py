@@ -9,12 +9,13 @@ namespaces into an image directory; `criu restore` recreates it:
 - **pause**: `dump(..., leave_running=False)` (CRIU kills the tree), later `restore()` into
   the same workspace (same upper) and cgroups.
 - **snapshot**: `dump(..., leave_running=True, upper=...)`: CRIU's pre-dump action script
-  freezes the freezer cgroup and copies the upper layer into `<images>/upper` (reflink when
-  the filesystem can), CRIU dumps, and the cgroup is thawed. The source's pause is
-  `DumpStats.frozen_s`.
-- **fork / restore a snapshot**: `prepare_workspace()` copies the image's upper into a new
-  workspace, `create_cgroups()` makes the new sandbox's cgroups, `restore()` brings the copy
-  up (N of them may run concurrently from one image).
+  freezes the freezer cgroup and seals the upper layer into `<images>/upper` (on btrfs a
+  read-only snapshot of the workspace subvolume, O(1); elsewhere a copy of the upper,
+  reflinked when the filesystem can), CRIU dumps, and the cgroup is thawed. The source's pause is
+  `DumpStats.frozen_s`. The caller moves the sealed upper out to become a shared layer.
+- **fork / restore a snapshot**: `prepare_workspace()` makes a new, empty workspace (the
+  sealed layer is stacked under it as a lower), `create_cgroups()` makes the new sandbox's
+  cgroups, `restore()` brings the copy up (N of them may run concurrently from one image).
 
 `restore()` mounts the overlay root on the host at `<workspace>/rootfs` (private
 propagation) for CRIU's `--root`, runs CRIU from inside the target cgroups (so the restored
@@ -61,7 +62,8 @@ NETNS_MARK = "netns-external"  # present in an image taken with an external netn
 BUNDLE_KEY = "py311"  # the --external key of the runtime bundle's bind mount
 ROOTFS = "rootfs"  # <workspace>/rootfs: the host-side overlay mount for --root
 WORKDIR = "criu"  # <workspace>/criu: CRIU's restore work dir (log, lazy-pages socket)
-UPPER_COPY = "upper"  # <images>/upper: the upper layer copied while frozen (snapshots)
+SEALED = "sealed"  # <images>/sealed/upper: the upper layer sealed while frozen (snapshots)
+BUNDLE_MARK = "bundle-version"  # the runtime bundle version the image's processes mapped
 DUMP_LOG = "dump.log"
 RESTORE_LOG = "restore.log"
 _LOG_TAIL = 15
@@ -73,26 +75,39 @@ _HOOK_MARKS = "aenv-hook.times"
 # CRIU's --action-script, run by `sh -c` with CRTOOLS_SCRIPT_ACTION set. At pre-dump (before
 # CRIU freezes anything, but after its start-up), freeze the cgroup ourselves: CRIU then
 # finds it FROZEN at once instead of polling every 100 ms; then copy the upper (snapshots).
-# Wall-clock marks (date +%s.%N) go to $AENV_MARKS (<images>/aenv-hook.times) for DumpStats.
-_HOOK_SCRIPT = r"""#!/bin/sh
+# Wall-clock marks (bash $EPOCHREALTIME) go to $AENV_MARKS (<images>/aenv-hook.times) for DumpStats.
+_HOOK_SCRIPT = r"""#!/bin/bash
+# bash, not sh: its builtins (read, EPOCHREALTIME) keep this path free of fork+exec.
 set -e
 [ "$CRTOOLS_SCRIPT_ACTION" = pre-dump ] || exit 0
-echo "start $(date +%s.%N)" > "$AENV_MARKS"
+echo "start $EPOCHREALTIME" > "$AENV_MARKS"
 echo FROZEN > "$AENV_FREEZER/freezer.state"
-# A task stuck in the kernel can keep the cgroup FREEZING forever: give up after ~3000 polls
-# (a few seconds; each poll forks `cat`), so that CRIU aborts, and the caller thaws.
+# A task stuck in the kernel can keep the cgroup FREEZING forever: give up after ~5 s, so
+# that CRIU aborts, and the caller thaws. Spin first (freezing takes microseconds), then nap.
+deadline=$(( ${EPOCHREALTIME%.*} + 5 ))
 polls=0
-while [ "$(cat "$AENV_FREEZER/freezer.state")" != FROZEN ]; do
+read -r state < "$AENV_FREEZER/freezer.state"
+while [ "$state" != FROZEN ]; do
     polls=$((polls + 1))
-    if [ "$polls" -gt 3000 ]; then
-        echo "aenv: freezer $AENV_FREEZER still $(cat "$AENV_FREEZER/freezer.state")" >&2
-        exit 1
+    if [ "$polls" -gt 200 ]; then
+        if [ "${EPOCHREALTIME%.*}" -ge "$deadline" ]; then
+            echo "aenv: freezer $AENV_FREEZER still $state" >&2
+            exit 1
+        fi
+        sleep 0.002
     fi
+    read -r state < "$AENV_FREEZER/freezer.state"
 done
-echo "frozen $(date +%s.%N)" >> "$AENV_MARKS"
+echo "frozen $EPOCHREALTIME" >> "$AENV_MARKS"
 if [ -n "${AENV_UPPER:-}" ]; then
-    cp -a --reflink=auto -- "$AENV_UPPER" "$AENV_UPPER_COPY"
-    echo "copied $(date +%s.%N)" >> "$AENV_MARKS"
+    if [ -n "${AENV_SEAL_SUBVOLUME:-}" ]; then
+        # O(1): a read-only btrfs snapshot of the workspace subvolume holding the upper.
+        btrfs -q subvolume snapshot -r "${AENV_UPPER%/*}" "$AENV_SEALED" >/dev/null
+    else
+        mkdir "$AENV_SEALED"
+        cp -a --reflink=auto -- "$AENV_UPPER" "$AENV_SEALED/upper"
+    fi
+    echo "copied $EPOCHREALTIME" >> "$AENV_MARKS"
 fi
 """
 
@@ -119,6 +134,7 @@ class RestoreResult:
     start_time: int  # its start time (linux.proc_start_time), for handles
     timings: dict[str, float] = field(default_factory=dict)
     log: Path | None = None
+    bundle_version: str | None = None  # of the runtime bundle it was restored with
 
 
 # --------------------------------------------------------------------------- criu binary
@@ -225,18 +241,6 @@ def thaw(freezer: Path) -> None:
 # --------------------------------------------------------------------------- files
 
 
-async def _copy_tree(src: Path, dst: Path) -> None:
-    """`cp -a --reflink=auto`: keeps owners, modes, xattrs (overlay's), whiteouts (0:0
-    char devices), hard links and sparse files; shares blocks where the filesystem can."""
-    proc = await asyncio.create_subprocess_exec(
-        "cp", "-a", "--reflink=auto", "--", str(src), str(dst),
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, err = await proc.communicate()
-    if proc.returncode != 0:
-        raise AenvError(ErrorCode.INTERNAL,
-                        f"copying {src} to {dst}: {err.decode(errors='replace').strip()}")
-
-
 def _tree_bytes(root: Path) -> int:
     total = 0
     for dirpath, _dirs, files in os.walk(root):
@@ -246,17 +250,32 @@ def _tree_bytes(root: Path) -> int:
     return total
 
 
-async def prepare_workspace(images_dir: Path, workspace: Path) -> None:
-    """A new workspace for a restore of a snapshot image: `<workspace>/upper` copied from
-    `<images>/upper`, an empty `<workspace>/work`."""
-    src = images_dir / UPPER_COPY
-    if not src.is_dir():
-        raise AenvError(ErrorCode.INVALID_ARGUMENT, f"image {images_dir} has no upper layer")
-    workspace.mkdir(parents=True, exist_ok=True)
-    if (workspace / "upper").exists():
+async def prepare_workspace(workspace: Path) -> None:
+    """A new workspace for a restore, with an empty `upper` and `work`: a btrfs subvolume
+    where the filesystem is btrfs, so that its upper can be sealed in O(1) later. The image's
+    own writable layer is not copied: the caller stacks it, sealed, under the new upper as a
+    read-only lower layer."""
+    if workspace.exists():
         raise AenvError(ErrorCode.CONFLICT, f"workspace {workspace} is in use")
-    await _copy_tree(src, workspace / "upper")
-    (workspace / "work").mkdir(exist_ok=True)
+
+    def make() -> None:
+        workspace.parent.mkdir(parents=True, exist_ok=True)
+        if linux.on_btrfs(str(workspace.parent)):
+            linux.subvolume_create(str(workspace))
+            workspace.chmod(0o755)
+        else:
+            workspace.mkdir(0o755)
+        (workspace / "upper").mkdir(0o755)
+        (workspace / "work").mkdir(0o755)
+
+    await asyncio.to_thread(make)
+
+
+def seal_layer(images_dir: Path) -> Path | None:
+    """The directory a snapshot sealed its writable layer into (`<images>/sealed`, the
+    layer itself is its `upper`), or None if it holds none."""
+    path = images_dir / SEALED
+    return path if (path / "upper").is_dir() else None
 
 
 # --------------------------------------------------------------------------- cgroups
@@ -294,7 +313,8 @@ def cgroup_dirs(layout: cgroups.CgroupLayout, sandbox_id: str) -> list[Path]:
 
 async def dump(init_pid: int, images_dir: Path, *, freezer: Path, leave_running: bool,
                upper: Path | None = None, bundle: Path = pybundle.BUNDLE_DIR,
-               external_netns: bool = False, criu: Path = CRIU) -> DumpStats:
+               bundle_version: str | None = None, external_netns: bool = False,
+               criu: Path = CRIU) -> DumpStats:
     """Checkpoint the sandbox whose PID 1 is `init_pid` (host pid) into `images_dir` (made
     if missing; must hold no image yet). `freezer`: the sandbox's v1 freezer cgroup.
 
@@ -315,16 +335,25 @@ async def dump(init_pid: int, images_dir: Path, *, freezer: Path, leave_running:
     if (images_dir / "inventory.img").exists():
         raise AenvError(ErrorCode.CONFLICT, f"{images_dir} already holds an image")
     log = images_dir / DUMP_LOG
+    # The bundle files the tree has mapped: the version it started (or was restored) with.
+    version = bundle_version or pybundle.bundle_id(bundle)
+    if version is not None:
+        (images_dir / BUNDLE_MARK).write_text(version)
     hook = images_dir / _HOOK
     hook.write_text(_HOOK_SCRIPT)
     hook.chmod(0o700)
     env = {**os.environ, "AENV_FREEZER": str(freezer),
            "AENV_MARKS": str(images_dir / _HOOK_MARKS)}
     if upper is not None and leave_running:
-        env |= {"AENV_UPPER": str(upper), "AENV_UPPER_COPY": str(images_dir / UPPER_COPY)}
+        env |= {"AENV_UPPER": str(upper), "AENV_SEALED": str(images_dir / SEALED)}
+        if upper.name == "upper" and linux.is_subvolume(str(upper.parent)) \
+                and linux.on_btrfs(str(images_dir)):
+            env["AENV_SEAL_SUBVOLUME"] = "1"
     args = ["dump", "-t", str(init_pid), "-D", str(images_dir), "-o", DUMP_LOG,
             "--external", f"mnt[{bundle}]:{BUNDLE_KEY}",
-            "--manage-cgroups=ignore", "--network-lock", "nftables",
+            # No network lock: the sandbox's TCP connections are closed at restore anyway
+            # (--tcp-close), and locking and unlocking with nft cost ~15 ms per checkpoint.
+            "--manage-cgroups=ignore", "--network-lock", "skip",
             "--freeze-cgroup", str(freezer), "--tcp-close",
             "--action-script", str(hook)]
     if leave_running:
@@ -396,6 +425,7 @@ async def restore(images_dir: Path, *, workspace: Path, lower: Sequence[Path],
     Returns once envd answers on `envd_port` inside the restored network namespace.
     """
     await check_criu(criu)
+    bundle, bundle_version = _bundle_of(images_dir, bundle)
     t0 = time.monotonic()
     timings: dict[str, float] = {}
     work = workspace / WORKDIR
@@ -414,7 +444,7 @@ async def restore(images_dir: Path, *, workspace: Path, lower: Sequence[Path],
     args = ["restore", "-d", "-D", str(images_dir), "-W", str(work), "-o", RESTORE_LOG,
             "--root", str(workspace / ROOTFS), "--pidfile", str(pidfile),
             "--external", f"mnt[{BUNDLE_KEY}]:{bundle}",
-            "--manage-cgroups=ignore", "--tcp-close"]
+            "--manage-cgroups=ignore", "--tcp-close", "--network-lock", "skip"]
     netns_fd: int | None = None
     if (images_dir / NETNS_MARK).exists():
         # The image left its network namespace out: hand CRIU the one to use instead.
@@ -456,7 +486,23 @@ async def restore(images_dir: Path, *, workspace: Path, lower: Sequence[Path],
     await wait_ready(pid, envd_port, timeout=ready_timeout)
     timings["ready"] = time.monotonic() - t_ready
     timings["total"] = time.monotonic() - t0
-    return RestoreResult(pid=pid, start_time=start_time, timings=timings, log=log)
+    return RestoreResult(pid=pid, start_time=start_time, timings=timings, log=log,
+                         bundle_version=bundle_version)
+
+
+def _bundle_of(images_dir: Path, current: Path) -> tuple[Path, str | None]:
+    """The runtime bundle an image must be restored with, and its version: the version its
+    processes had mapped (the current one, or one a rebuild archived)."""
+    try:
+        version = (images_dir / BUNDLE_MARK).read_text().strip()
+    except FileNotFoundError:
+        return current, None  # an image from before bundles were versioned
+    found = pybundle.resolve(version, current)
+    if found is None:
+        raise AenvError(ErrorCode.UNAVAILABLE,
+                        f"{images_dir} was taken with runtime bundle {version}, which is no "
+                        f"longer installed (expected {pybundle.archived(current, version)})")
+    return found, version
 
 
 async def _start_lazy_daemon(images_dir: Path, work: Path, criu: Path

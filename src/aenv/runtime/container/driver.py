@@ -42,9 +42,10 @@ import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,7 +54,7 @@ from aenv.config import Config
 from aenv.errors import AenvError, ErrorCode
 from aenv.runtime import pybundle
 from aenv.runtime.base import ReadyShape, ResourceUsage, RuntimeHandle, SandboxSpec
-from aenv.runtime.container import cgroups, checkpoint, linux
+from aenv.runtime.container import cgroups, checkpoint, layers, linux, zygote
 from aenv.runtime.container.network import NetworkPool
 
 _ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")  # a hostname label and a path component
@@ -207,6 +208,7 @@ class ContainerDriver:
         self._last_create = 0.0  # monotonic end of the latest create
         me = os.getpid()
         self._pool_owner = f"{me}-{linux.proc_start_time(me)}"
+        self._bundle_version: str | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -217,6 +219,8 @@ class ContainerDriver:
             raise AenvError(ErrorCode.UNAVAILABLE,
                             f"runtime bundle missing at {self.bundle}: run "
                             "`python -m aenv.runtime.pybundle build`")
+        # What the fork-server (and every sandbox it makes) maps: paused images name it.
+        self._bundle_version = pybundle.bundle_id(self.bundle)
         await asyncio.to_thread(self.cgroups.ensure_parents)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.staging.mkdir(exist_ok=True)
@@ -243,12 +247,18 @@ class ContainerDriver:
     def _make_driver_layer(self) -> None:
         # Modes of merged directories come from the top layer: use the usual 0755.
         self.driver_layer.mkdir(parents=True, exist_ok=True)
-        for rel in (str(self.bundle).lstrip("/"), "run/aenv"):
+        for rel in (str(self.bundle).lstrip("/"), zygote.RUN_DIR.lstrip("/")):
             path = self.driver_layer
             for part in rel.split("/"):
                 path = path / part
                 path.mkdir(exist_ok=True)
                 path.chmod(0o755)
+        run = self.driver_layer / zygote.RUN_DIR.lstrip("/")
+        run.chmod(0o700)  # envd's own
+        mask = self.driver_layer / zygote.MASK_DIR.lstrip("/")
+        mask.mkdir(exist_ok=True)
+        mask.chmod(0o555)
+        zygote.populate_dev(str(self.driver_layer / "dev"))
         self.driver_layer.chmod(0o755)
 
     def _sweep_warm(self, zygote_pid: int | None) -> None:
@@ -334,6 +344,7 @@ class ContainerDriver:
             raise AenvError(ErrorCode.UNAVAILABLE, f"container fork-server failed: {tail}")
         writer.write(json.dumps({"op": "configure", "warm": self.warm_processes,
                                  "bundle": str(self.bundle), "staging": str(self.staging),
+                                 "subvolumes": linux.on_btrfs(str(self.staging)),
                                  "cgroups": self.cgroups.zygote_config(),
                                  "max_setups": self.max_concurrent_setups}).encode() + b"\n")
         zygote.task = asyncio.get_running_loop().create_task(zygote.pump())
@@ -419,6 +430,7 @@ class ContainerDriver:
         request = self._request(spec, str(slot.path) if slot else None,
                                 slot.address if slot else None)
         data: dict[str, Any] = {"workspace": str(spec.workspace), "envd_port": spec.envd_port,
+                                "bundle_version": self._bundle_version,
                                 "slot": slot.name if slot else None,
                                 "address": slot.address if slot else None}
         fut = zygote.submit(request)
@@ -613,23 +625,36 @@ class ContainerDriver:
                 linux.setns(self._host_uts, linux.CLONE_NEWUTS)
         finally:
             os.close(fd)
-        # /etc files the setup wrote in the upper layer (none for a template with an unusual
-        # /etc): rewritten in place through the sandbox's root (no copy-up). No code of
-        # anyone ran in the sandbox yet, so nothing there can redirect these writes.
-        upper_etc = f"{data['workspace']}/upper/etc"
+        # /etc/hostname and /etc/hosts, rewritten in place through the sandbox's root. A
+        # restored copy's processes ran before (its /etc may be anything, even a symlink out
+        # of the root), so every component is opened without following symlinks.
         contents = {"hostname": sid + "\n", "hosts": _hosts(sid, data.get("address"))}
-        for file, content in contents.items():
-            if not os.path.isfile(f"{upper_etc}/{file}"):
-                continue
-            raw = content.encode()
-            wfd = os.open(f"/proc/{live.pid}/root/etc/{file}",
-                          os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            try:
-                # Not O_TRUNC: truncating to zero frees the block (~0.4 ms on ext4).
-                os.pwrite(wfd, raw, 0)
-                os.ftruncate(wfd, len(raw))
-            finally:
-                os.close(wfd)
+        root = os.open(f"/proc/{live.pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            etc = os.open("etc", os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                          dir_fd=root)
+        except OSError:
+            return  # a template with no (or an unusual) /etc: nothing to rename
+        finally:
+            os.close(root)
+        try:
+            for file, content in contents.items():
+                raw = content.encode()
+                try:
+                    wfd = os.open(file, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+                                  | os.O_CLOEXEC, dir_fd=etc)
+                except OSError:
+                    continue  # not there, or a symlink: leave it
+                try:
+                    if not stat.S_ISREG(os.fstat(wfd).st_mode):
+                        continue
+                    # Not O_TRUNC: truncating to zero frees the block (~0.4 ms on ext4).
+                    os.pwrite(wfd, raw, 0)
+                    os.ftruncate(wfd, len(raw))
+                finally:
+                    os.close(wfd)
+        finally:
+            os.close(etc)
 
     async def _init_envd(self, handle: RuntimeHandle, token: str, body: dict[str, Any]
                          ) -> None:
@@ -765,7 +790,7 @@ class ContainerDriver:
             if not self._alive(live):
                 raise AenvError(ErrorCode.UNAVAILABLE,
                                 f"sandbox {handle.sandbox_id} is not running") from None
-            raise AenvError(ErrorCode.UNAVAILABLE,
+            raise AenvError(ErrorCode.PORT_CLOSED,
                             f"nothing listens on port {port} in sandbox {handle.sandbox_id}: "
                             f"{exc}") from None
         return sock
@@ -810,6 +835,7 @@ class ContainerDriver:
         images = Path(data["workspace"]) / "checkpoints" / f"pause-{time.time_ns()}"
         stats = await checkpoint.dump(live.pid, images, freezer=self.cgroups.path("freezer", sid),
                                       leave_running=False, bundle=self.bundle,
+                                      bundle_version=data.get("bundle_version"),
                                       external_netns=bool(data.get("slot")))
         self.last_timings = {"frozen": stats.frozen_s, "total": stats.total_s}
         self._live.pop(sid, None)
@@ -844,6 +870,7 @@ class ContainerDriver:
         self.last_timings = dict(result.timings)
         self._live[sid] = _Live(result.pid, result.start_time, cpu_ns=0, cpu_at=time.monotonic())
         data.update(pid=result.pid, start_time=result.start_time, images=None,
+                    bundle_version=result.bundle_version,
                     slot=slot.name if slot else None, address=slot.address if slot else None)
         self._background(asyncio.to_thread(shutil.rmtree, images, True))
         return RuntimeHandle(self.name, sid, data)
@@ -859,6 +886,7 @@ class ContainerDriver:
         stats = await checkpoint.dump(
             live.pid, images, freezer=self.cgroups.path("freezer", sid), leave_running=True,
             upper=Path(handle.data["workspace"]) / "upper", bundle=self.bundle,
+            bundle_version=handle.data.get("bundle_version"),
             external_netns=bool(handle.data.get("slot")))
         return {"frozen_s": stats.frozen_s, "total_s": stats.total_s,
                 "image_bytes": float(stats.image_bytes)}
@@ -866,14 +894,15 @@ class ContainerDriver:
     async def restore(self, spec: SandboxSpec, images: Path, image_token: str | None
                       ) -> RuntimeHandle:
         """A new, independent sandbox `spec.sandbox_id` from a snapshot image: its own
-        workspace (a copy of the image's writable layer), cgroups, network namespace, hostname
-        and envd token. `image_token` is the envd token inside the image."""
+        workspace (an empty upper over the image's sealed writable layer, which stays shared
+        and read-only), cgroups, network namespace, hostname and envd token. `image_token` is
+        the envd token inside the image."""
         sid = spec.sandbox_id
         self._check_spec(spec)
         data: dict[str, Any] = {"pid": None, "start_time": None, "workspace": str(spec.workspace),
                                 "envd_port": spec.envd_port, "slot": None, "address": None}
         try:
-            await checkpoint.prepare_workspace(images, spec.workspace)
+            await checkpoint.prepare_workspace(spec.workspace)
             await asyncio.to_thread(checkpoint.create_cgroups, self.cgroups, sid,
                                     memory_mb=spec.memory_mb, cpu_count=spec.cpu_count,
                                     pids_max=spec.pids_max)
@@ -882,11 +911,17 @@ class ContainerDriver:
                 await self._ensure_network()
                 slot = await self.network.acquire()
                 data.update(slot=slot.name, address=slot.address)
+            # The image's sealed writable layer, unless the caller already made it one of
+            # the template's layers (the orchestrator moves it out of the image).
+            seal = checkpoint.seal_layer(images)
+            lower = [self.driver_layer, *([seal / "upper"] if seal is not None else []),
+                     *spec.lower_layers]
             result = await checkpoint.restore(
-                images, workspace=spec.workspace, lower=[self.driver_layer, *spec.lower_layers],
+                images, workspace=spec.workspace, lower=lower,
                 cgroup_dirs=checkpoint.cgroup_dirs(self.cgroups, sid), envd_port=spec.envd_port,
                 netns=slot.path if slot else None, bundle=self.bundle)
-            data.update(pid=result.pid, start_time=result.start_time)
+            data.update(pid=result.pid, start_time=result.start_time,
+                        bundle_version=result.bundle_version)
             live = _Live(result.pid, result.start_time, cpu_ns=0, cpu_at=time.monotonic())
             self._live[sid] = live
             self._set_identity(sid, live, data)
@@ -901,6 +936,20 @@ class ContainerDriver:
             await self._cleanup(sid, data, data.get("pid"), data.get("start_time"))
             raise
         return handle
+
+    # ------------------------------------------------------------------ sealed layers
+    def sealed_layer(self, images: Path) -> Path | None:
+        return checkpoint.seal_layer(images)
+
+    def adopt_sealed(self, sealed: Path, dest: Path) -> Path:
+        layers.take_sealed(sealed, dest)
+        return dest / "upper"
+
+    def merge_layers(self, lower: Sequence[Path], dest: Path) -> None:
+        layers.merge_layers(lower, dest)
+
+    def remove_layer(self, path: Path) -> None:
+        layers.remove_layer(path)
 
     async def destroy(self, handle: RuntimeHandle) -> None:
         pid = handle.data.get("pid")

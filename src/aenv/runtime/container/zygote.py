@@ -62,7 +62,7 @@ from aenv.runtime.container import linux
 # set. Notably absent: SYS_ADMIN (mount, ...), NET_ADMIN, SYS_MODULE, SYS_PTRACE, SYS_RAWIO.
 KEEP_CAPS = {0, 1, 3, 4, 5, 6, 7, 8, 10, 13, 18, 27, 29, 31}
 
-_DEVICES = (  # name, major, minor (char devices created in the sandbox's /dev tmpfs)
+_DEVICES = (  # name, major, minor (char devices in the sandbox's /dev, see populate_dev)
     ("null", 1, 3), ("zero", 1, 5), ("full", 1, 7), ("random", 1, 8), ("urandom", 1, 9),
     ("tty", 5, 0),
 )
@@ -71,15 +71,15 @@ _DEV_LINKS = (("ptmx", "pts/ptmx"), ("fd", "/proc/self/fd"), ("stdin", "/proc/se
               ("core", "/proc/kcore"))
 # Host-wide knobs in /proc that root inside a sandbox must not write (sysrq, sysctl, ...).
 _PROC_READONLY = ("bus", "fs", "irq", "sys", "sysrq-trigger")
-# Host information in /proc and /sys nobody inside needs: hidden behind /dev/null or tmpfs.
+# Host information in /proc and /sys nobody inside needs: hidden behind /dev/null or MASK_DIR.
 _PROC_MASKED_FILES = ("kcore", "keys", "latency_stats", "timer_list", "sched_debug")
 _PROC_MASKED_DIRS = ("acpi", "scsi")
 
 SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-# A small tmpfs inside the sandbox for envd's log: nothing on the host disk is created per
-# sandbox for it (the mountpoint comes from the driver's own lower layer), and the host reads
-# it through /proc/<init pid>/root/run/aenv/envd.log.
+# envd's directory (its log) inside the sandbox: from the driver's own top layer, written in
+# the sandbox's upper; the host reads it through /proc/<init pid>/root/run/aenv/envd.log.
 RUN_DIR = "/run/aenv"
+MASK_DIR = RUN_DIR + "/.mask"  # empty and read-only: bind-mounted over masked directories
 ETC_FILES = ("hostname", "hosts", "resolv.conf")
 ENVD_LOG = RUN_DIR + "/envd.log"
 
@@ -193,72 +193,82 @@ def _prepare(cfg: dict[str, Any], name: str, own_netns: bool) -> dict[str, int]:
     # ~0.3 ms on a busy ext4, and a workspace needs seven.
     stage = os.path.join(cfg["staging"], name)
     for d in ("", "upper", "work", "upper/etc"):
-        os.mkdir(os.path.join(stage, d), 0o755)
+        if d == "" and cfg.get("subvolumes"):
+            # On btrfs the workspace (upper and overlay's work dir, which must share a
+            # subvolume) is a subvolume: a snapshot seals the upper in O(1).
+            linux.subvolume_create(stage)
+            os.chmod(stage, 0o755)
+        else:
+            os.mkdir(os.path.join(stage, d), 0o755)
     for f in ETC_FILES:
         os.close(os.open(os.path.join(stage, "upper/etc", f), os.O_WRONLY | os.O_CREAT, 0o644))
-    # /dev, /proc (this is already the sandbox's pid namespace) and envd's /run/aenv, built
-    # on a scratch tmpfs (mounted over our own empty work dir, in our private namespace).
+    # /proc (this is already the sandbox's pid namespace), built on a scratch tmpfs mounted
+    # over our own empty work dir, in our private namespace. /dev and /run/aenv are plain
+    # directories of the driver's layer (see populate_dev): every tmpfs in a sandbox costs
+    # each checkpoint and restore a tar run (~15 ms each way).
     scratch = os.path.join(stage, "work")
     linux.mount("scratch", scratch, "tmpfs", 0, "size=64k")
-    for d in ("dev", "proc", "run"):
-        os.mkdir(os.path.join(scratch, d))
-    _build_dev(os.path.join(scratch, "dev"))
-    _build_proc(os.path.join(scratch, "proc"), os.path.join(scratch, "dev/null"))
-    run = os.path.join(scratch, "run")
-    linux.mount("tmpfs", run, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC,
-                "mode=0700,size=8m")
-    for key in ("dev", "proc", "run"):
-        fds[key] = linux.open_tree(os.path.join(scratch, key), linux.OPEN_TREE_CLONE
-                                   | linux.OPEN_TREE_CLOEXEC | linux.AT_RECURSIVE)
-    # stdio: /dev/null in, envd's log out. Opened through the clones that become the
-    # sandbox's /dev and /run/aenv, so a checkpoint (CRIU) finds them at those paths.
-    null = os.open("null", os.O_RDWR, dir_fd=fds["dev"])
-    log = os.open(os.path.basename(ENVD_LOG), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600,
-                  dir_fd=fds["run"])
-    for fd, targets in ((null, (0,)), (log, (1, 2))):
-        for target in targets:
-            os.dup2(fd, target)
-        os.close(fd)
-    # Python's stdio objects follow fds 1 and 2, now envd's log (they live forever).
-    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
-    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    os.mkdir(os.path.join(scratch, "proc"))
+    _build_proc(os.path.join(scratch, "proc"))
+    fds["proc"] = linux.open_tree(os.path.join(scratch, "proc"), linux.OPEN_TREE_CLONE
+                                  | linux.OPEN_TREE_CLOEXEC | linux.AT_RECURSIVE)
     linux.umount2(scratch, linux.MNT_DETACH)
     return fds
 
 
-def _build_dev(dev: str) -> None:
-    linux.mount("tmpfs", dev, "tmpfs", linux.MS_NOSUID, "mode=755,size=65536k")
+def populate_dev(dev: str) -> None:
+    """The sandbox's /dev as a directory of the driver's top layer: device nodes, links and
+    the mountpoints of devpts and /dev/shm. Opaque, so a template's own /dev never shows.
+    Run by the host driver (as root) when it makes its layer. Idempotent."""
+    os.makedirs(dev, 0o755, exist_ok=True)
+    os.chmod(dev, 0o755)
+    os.setxattr(dev, "trusted.overlay.opaque", b"y")
     old = os.umask(0)
     try:
         for name, major, minor in _DEVICES:
-            os.mknod(os.path.join(dev, name), 0o666 | stat.S_IFCHR, os.makedev(major, minor))
+            path = os.path.join(dev, name)
+            st = os.lstat(path) if os.path.lexists(path) else None
+            if st is None or st.st_rdev != os.makedev(major, minor) or not stat.S_ISCHR(
+                    st.st_mode):
+                if st is not None:
+                    os.unlink(path)
+                os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(major, minor))
+            os.chmod(path, 0o666)
+        for name, target in _DEV_LINKS:
+            path = os.path.join(dev, name)
+            if os.path.lexists(path):
+                if os.path.islink(path) and os.readlink(path) == target:
+                    continue
+                os.unlink(path)
+            os.symlink(target, path)
+        for name, mode in (("pts", 0o755), ("shm", 0o1777)):
+            os.makedirs(os.path.join(dev, name), mode, exist_ok=True)
+            os.chmod(os.path.join(dev, name), mode)
     finally:
         os.umask(old)
-    for name, target in _DEV_LINKS:
-        os.symlink(target, os.path.join(dev, name))
-    os.mkdir(os.path.join(dev, "pts"), 0o755)
-    linux.mount("devpts", os.path.join(dev, "pts"), "devpts", linux.MS_NOSUID | linux.MS_NOEXEC,
-                "newinstance,ptmxmode=0666,mode=0620,gid=5")
-    os.mkdir(os.path.join(dev, "shm"), 0o1777)
-    # Sized per sandbox at the request (a remount); its pages count in the memory cgroup.
-    linux.mount("shm", os.path.join(dev, "shm"), "tmpfs", linux.MS_NOSUID | linux.MS_NODEV,
-                "mode=1777,size=64m")
 
 
-def _build_proc(proc: str, null: str) -> None:
+def _build_proc(proc: str) -> None:
     linux.mount("proc", proc, "proc", linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC)
     for name in _PROC_READONLY:
         path = os.path.join(proc, name)
         if os.path.exists(path):
             _bind_readonly(path)
+
+
+def _mask_host_information() -> None:
+    """Hide /proc and /sys entries with host information behind the sandbox's own /dev/null
+    and an empty read-only directory of the driver's layer: bind mounts from the sandbox's
+    root, which a checkpoint records as such (a tmpfs mask would cost a tar run)."""
     for name in _PROC_MASKED_FILES:
-        path = os.path.join(proc, name)
+        path = os.path.join("/proc", name)
         if os.path.exists(path):
-            linux.mount(null, path, None, linux.MS_BIND)
-    for name in _PROC_MASKED_DIRS:
-        path = os.path.join(proc, name)
+            linux.mount("/dev/null", path, None, linux.MS_BIND)
+    for path in (*(os.path.join("/proc", d) for d in _PROC_MASKED_DIRS), "/sys/firmware"):
         if os.path.isdir(path):
-            linux.mount("tmpfs", path, "tmpfs", linux.MS_RDONLY, "size=0")
+            linux.mount(MASK_DIR, path, None, linux.MS_BIND)
+            linux.mount(MASK_DIR, path, None, linux.MS_BIND | linux.MS_REMOUNT | linux.MS_RDONLY
+                        | linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC)
 
 
 def _new_netns() -> None:
@@ -407,19 +417,32 @@ def _become_sandbox(cfg: dict[str, Any], name: str, spec: dict[str, Any], chan: 
     linux.umount2(".", linux.MNT_DETACH)  # the host root, stacked on top by pivot_root
     os.chdir("/")
     laps("pivot")
-    for key, path in (("dev", "/dev"), ("proc", "/proc"), ("run", RUN_DIR),
-                      ("bundle", cfg["bundle"])):
+    for key, path in (("proc", "/proc"), ("bundle", cfg["bundle"])):
         _mkdirs(path)  # normally present (template, driver layer): no copy-up
         linux.move_mount_fd(trees[key], path)
         os.close(trees[key])
-    linux.mount(None, "/dev/shm", None, linux.MS_REMOUNT | linux.MS_NOSUID | linux.MS_NODEV,
+    # /dev is the driver layer's directory; only its pseudo-filesystems are mounted. The
+    # /dev/shm tmpfs's pages count in the memory cgroup: sized like the sandbox's memory.
+    linux.mount("devpts", "/dev/pts", "devpts", linux.MS_NOSUID | linux.MS_NOEXEC,
+                "newinstance,ptmxmode=0666,mode=0620,gid=5")
+    linux.mount("shm", "/dev/shm", "tmpfs", linux.MS_NOSUID | linux.MS_NODEV,
                 f"mode=1777,size={int(spec['memory_mb'])}m")
     # sysfs shows the network namespace of whoever mounts it: only now is ours final.
     _mkdirs("/sys", 0o555)
     linux.mount("sysfs", "/sys", "sysfs",
                 linux.MS_RDONLY | linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC)
-    if os.path.isdir("/sys/firmware"):
-        linux.mount("tmpfs", "/sys/firmware", "tmpfs", linux.MS_RDONLY, "size=0")
+    _mask_host_information()
+    # stdio: /dev/null in, envd's log (in the driver layer's /run/aenv) out. No code of
+    # anyone ran in this root yet, so these paths are ours.
+    null = os.open("/dev/null", os.O_RDWR)
+    log = os.open(ENVD_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    for fd, targets in ((null, (0,)), (log, (1, 2))):
+        for target in targets:
+            os.dup2(fd, target)
+        os.close(fd)
+    # Python's stdio objects follow fds 1 and 2, now envd's log (they live forever).
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     laps("mounts")
     linux.sethostname(spec["hostname"])
     listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -24,6 +24,7 @@ class SnapshotConfig:
     s3_prefix: str | None = None  # key prefix inside the bucket; None or "" means the bucket root
     s3_region: str | None = None  # required for s3: signatures depend on it, never guessed
     cache_gb: int = 10  # local runtime cache of materialised snapshots, GiB (LRU beyond this)
+    max_sealed_layers: int = 8  # sealed layers a stack may hold before they are compacted
 
     @property
     def cache_bytes(self) -> int:
@@ -35,6 +36,8 @@ class SnapshotConfig:
             raise invalid(f"config snapshot.backend: {self.backend!r} is not one of {', '.join(BACKENDS)}")
         if int(self.cache_gb) < 0:
             raise invalid("config snapshot.cache_gb: must be >= 0")
+        if int(self.max_sealed_layers) < 1:
+            raise invalid("config snapshot.max_sealed_layers: must be >= 1")
         if self.backend == "s3":
             missing = [
                 f"snapshot.{key}"

@@ -1,0 +1,123 @@
+"""Disks of qemu sandboxes.
+
+Owns: the shared read-only root images under <cache>/vm-disks/ (one raw ext4 image per layer
+stack, built once and never modified: every VM's overlay uses it as its backing file) and the
+per-VM qcow2 overlays (`disk.qcow2` in a sandbox's workspace, or in a snapshot image).
+Must not touch: the template layers it reads (they are mounted read-only, in a private mount
+namespace of a child process), other files in the cache.
+
+Why ext4 in a raw file: `mkfs.ext4 -d DIR` builds it without mounting anything and keeps
+ownership, modes, xattrs and hard links; the Debian cloud kernel has ext4 built in (erofs is a
+module: it would need one more module in the initramfs and a writable layer on top in the
+guest). The image is sized `disk_size_mb` (sparse on the host): that is the guest's disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from aenv.errors import AenvError, ErrorCode
+from aenv.runtime.qemu.artefacts import GUEST_TOOLS, ROOT_LABEL
+
+FORMAT = 1  # bump when what goes into a root image changes
+
+
+async def run(*argv: str, timeout: float = 600.0) -> str:
+    """Run a command; AenvError(INTERNAL) with its stderr if it fails."""
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE)
+    except FileNotFoundError:
+        raise AenvError(ErrorCode.UNAVAILABLE,
+                        f"{argv[0]} not installed: run `make install`") from None
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise AenvError(ErrorCode.TIMEOUT, f"`{' '.join(argv[:3])} ...` timed out") from None
+    if proc.returncode != 0:
+        raise AenvError(ErrorCode.INTERNAL,
+                        f"`{' '.join(argv[:4])} ...` failed: {err.decode(errors='replace')[-500:]}")
+    return out.decode(errors="replace")
+
+
+class RootImages:
+    """Shared root images, one per layer stack, built on first use."""
+
+    def __init__(self, cache_dir: Path, size_mb: int) -> None:
+        self.dir = cache_dir / "vm-disks"
+        self.size_mb = size_mb
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def key(self, layers: tuple[Path, ...]) -> str:
+        # Layers are immutable once made and named by id; resolving follows test homes'
+        # symlinks so that the same layer is the same key.
+        text = "\n".join(str(p.resolve()) for p in layers)
+        return hashlib.sha256(f"{FORMAT}:{self.size_mb}:{text}".encode()).hexdigest()[:24]
+
+    async def get(self, layers: tuple[Path, ...]) -> Path:
+        """The root image of `layers` (TOP FIRST), built if missing (seconds, once)."""
+        key = self.key(layers)
+        image = self.dir / f"{key}.img"
+        if image.exists():
+            return image
+        async with self._locks.setdefault(key, asyncio.Lock()):
+            if image.exists():
+                return image
+            self.dir.mkdir(parents=True, exist_ok=True)
+            await self._build(layers, image)
+        return image
+
+    async def _build(self, layers: tuple[Path, ...], image: Path) -> None:
+        work = Path(tempfile.mkdtemp(prefix=f".{image.stem}-", dir=self.dir))
+        try:
+            # Our own top layer: mount points the guest needs exist in the image, so no VM
+            # writes them into its overlay at boot.
+            top = work / "top"
+            for rel in (GUEST_TOOLS.lstrip("/"), "run/aenv", "dev", "proc", "sys"):
+                (top / rel).mkdir(parents=True, exist_ok=True)
+            merged = work / "merged"
+            merged.mkdir()
+            tmp_image = work / "root.img"
+            tmp_image.touch()
+            await asyncio.to_thread(os.truncate, tmp_image, self.size_mb * 2**20)
+            lower = ":".join(str(p) for p in (top, *layers))
+            if any(c in lower for c in ",\n'"):
+                raise AenvError(ErrorCode.INVALID_ARGUMENT, f"unusable layer path in {lower!r}")
+            # overlayfs merges the layers (whiteouts included) read-only, in a private mount
+            # namespace that disappears with the shell: the host's mount table never changes.
+            script = (f"mount -t overlay -o ro,lowerdir='{lower}' overlay '{merged}' && "
+                      f"exec mkfs.ext4 -q -F -L {ROOT_LABEL} -d '{merged}' -b 4096 -m 0 "
+                      "-E lazy_itable_init=0,lazy_journal_init=0 -J size=32 "
+                      f"'{tmp_image}'")
+            await run("unshare", "--mount", "--propagation", "private", "sh", "-c", script)
+            tmp_image.chmod(0o444)
+            os.rename(tmp_image, image)
+        finally:
+            await asyncio.to_thread(shutil.rmtree, work, True)
+
+
+async def create_overlay(base: Path, overlay: Path, backing_format: str = "raw") -> None:
+    """A copy-on-write qcow2 on `base` (no data copied)."""
+    overlay.parent.mkdir(parents=True, exist_ok=True)
+    await run("qemu-img", "create", "-q", "-f", "qcow2", "-o", "cluster_size=65536",
+              "-b", str(base), "-F", backing_format, str(overlay))
+
+
+async def copy_sparse(src: Path, dst: Path) -> None:
+    """Copy a file keeping its holes (guest RAM and qcow2 files are mostly holes)."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    await run("cp", "--sparse=always", "--reflink=auto", str(src), str(dst))
+
+
+def remove(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()

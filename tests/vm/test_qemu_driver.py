@@ -1,0 +1,202 @@
+"""The qemu runtime driver against real microVMs (TCG or KVM, whichever the host allows)."""
+
+from __future__ import annotations
+
+import asyncio
+import platform
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import pytest
+from conftest import CreateFn, make_driver
+from vm_helpers import run, spec_for
+
+from aenv.errors import AenvError
+from aenv.runtime.base import PausableDriver, RuntimeDriver, SnapshotDriver
+from aenv.runtime.container.linux import proc_start_time
+from aenv.runtime.qemu.driver import QemuDriver
+from aenv.runtime.registry import load_driver
+
+pytestmark = pytest.mark.slow
+
+
+def tok(handle_id: str) -> str:
+    return f"token-{handle_id}"
+
+
+async def test_protocols_and_registry(driver: QemuDriver, home: Path) -> None:
+    assert isinstance(driver, RuntimeDriver)
+    assert isinstance(driver, PausableDriver)
+    assert isinstance(driver, SnapshotDriver)
+    assert driver.accel in ("kvm", "tcg")
+    assert isinstance(load_driver("qemu", driver.config), QemuDriver)
+
+
+async def test_boot_runs_its_own_kernel(driver: QemuDriver, create: CreateFn) -> None:
+    handle = await create()
+    sid = handle.sandbox_id
+    assert handle.data["accel"] == driver.accel
+    res = await run(driver, handle, "uname -r; hostname; cat /proc/1/cmdline | tr '\\0' ' '",
+                    token=tok(sid))
+    assert res.exit_code == 0, res.stderr
+    kernel, hostname, init = res.stdout.splitlines()[:3]
+    assert kernel != platform.release()  # the host runs 6.18
+    assert kernel.startswith("6.1.") and "amd64" in kernel
+    assert hostname == sid
+    assert "guest.py" in init  # PID 1 is our guest init, which became envd
+    # The access token is never on the kernel command line (world-readable in the guest).
+    res = await run(driver, handle, "cat /proc/cmdline", token=tok(sid))
+    assert tok(sid) not in res.stdout
+    usage = await driver.stats(handle)
+    assert usage.mem_total_bytes == 512 * 2**20
+    assert 0 < usage.mem_used_bytes < 2 * 512 * 2**20
+
+
+async def test_envd_requires_the_token(driver: QemuDriver, create: CreateFn) -> None:
+    handle = await create()
+    with pytest.raises(AssertionError):
+        await run(driver, handle, "true", token="wrong")
+
+
+async def test_host_files_are_not_visible(driver: QemuDriver, create: CreateFn,
+                                          tmp_path: Path) -> None:
+    marker = tmp_path / "host-secret"
+    marker.write_text("secret")
+    handle = await create()
+    res = await run(driver, handle, f"test -e {marker} && echo visible; "
+                    "test -e /work && echo work; ls /opt/aenv/runtime/py311 | wc -l",
+                    token=tok(handle.sandbox_id))
+    assert "visible" not in res.stdout and "work" not in res.stdout
+    assert res.stdout.split()[-1] == "0"  # the host's Python bundle is not there
+
+
+async def test_network_off_and_on(driver: QemuDriver, create: CreateFn) -> None:
+    # The host side of the bridge is reachable only with internet access.
+    await driver.networks._ensure_pool()
+    host = driver.networks.pool.host_address
+    srv = socket.socket()
+    srv.bind((host, 0))
+    srv.listen(8)
+    port = srv.getsockname()[1]
+    probe = (f"python3 -c \"import socket; socket.create_connection(('{host}', {port}), 5); "
+             "print('reached')\"")
+    try:
+        off, on = await asyncio.gather(create(allow_internet_access=False),
+                                       create(allow_internet_access=True))
+        res_off = await run(driver, off, probe, token=tok(off.sandbox_id))
+        res_on = await run(driver, on, probe, token=tok(on.sandbox_id))
+    finally:
+        srv.close()
+    assert "reached" not in res_off.stdout
+    assert "reached" in res_on.stdout, res_on.stderr
+
+
+async def test_pause_resume_keeps_processes(driver: QemuDriver, create: CreateFn,
+                                            home: Path, rootfs: Path) -> None:
+    handle = await create()
+    sid = handle.sandbox_id
+    await run(driver, handle, "nohup bash -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/n; "
+              "sleep 0.1; done' >/dev/null 2>&1 &", token=tok(sid))
+    await asyncio.sleep(1)
+    before = int((await run(driver, handle, "cat /tmp/n", token=tok(sid))).stdout)
+    pid = int(handle.data["pid"])
+    paused = await driver.pause(handle)
+    assert paused.data["pid"] is None
+    assert proc_start_time(pid) is None  # no QEMU process (at most a zombie): no memory held
+    await asyncio.sleep(1)
+    resumed = await driver.resume(paused, spec_for(home, rootfs, sandbox_id=sid))
+    handle.data.clear()
+    handle.data.update(resumed.data)  # the fixture destroys the live one
+    first = int((await run(driver, resumed, "cat /tmp/n", token=tok(sid))).stdout)
+    await asyncio.sleep(1)
+    second = int((await run(driver, resumed, "cat /tmp/n", token=tok(sid))).stdout)
+    assert before <= first < second  # the same counter, still counting
+    # The guest clock was set to the host's on resume.
+    guest = float((await run(driver, resumed, "date +%s.%N", token=tok(sid))).stdout)
+    assert abs(guest - time.time()) < 5
+
+
+async def test_snapshot_and_fork_children_are_independent(
+        driver: QemuDriver, create: CreateFn, home: Path, rootfs: Path) -> None:
+    parent = await create()
+    psid = parent.sandbox_id
+    await run(driver, parent, "echo from-parent > /root/file; nohup sleep 1000 >/dev/null 2>&1 &",
+              token=tok(psid))
+    images = home / "images" / psid
+    timings = await driver.snapshot(parent, images)
+    assert timings["frozen_s"] < 5
+    kids = []
+    try:
+        specs = [spec_for(home, rootfs) for _ in range(2)]
+        kids = list(await asyncio.gather(*[driver.restore(s, images, tok(psid)) for s in specs]))
+        outs = []
+        for kid in kids:
+            ksid = kid.sandbox_id
+            res = await run(driver, kid, "cat /root/file; hostname; pgrep -c -x sleep; "
+                            "head -c 16 /dev/urandom | od -An -tx1", token=tok(ksid))
+            assert res.exit_code == 0, res.stderr
+            outs.append(res.stdout.splitlines())
+            await run(driver, kid, f"echo {ksid} > /root/file", token=tok(ksid))
+        for kid, out in zip(kids, outs):
+            assert out[0] == "from-parent" and out[1] == kid.sandbox_id and out[2] == "1"
+        assert outs[0][3] != outs[1][3]  # fresh entropy per child
+        for kid in kids:
+            res = await run(driver, kid, "cat /root/file", token=tok(kid.sandbox_id))
+            assert res.stdout.strip() == kid.sandbox_id
+        res = await run(driver, parent, "cat /root/file", token=tok(psid))
+        assert res.stdout.strip() == "from-parent"
+        # The old token does not work on a child any more.
+        with pytest.raises(AssertionError):
+            await run(driver, kids[0], "true", token=tok(psid))
+    finally:
+        for kid in kids:
+            await driver.destroy(kid)
+        shutil.rmtree(images, ignore_errors=True)
+
+
+async def test_balloon_returns_freed_memory(driver: QemuDriver, create: CreateFn) -> None:
+    handle = await create()
+    sid = handle.sandbox_id
+    idle = (await driver.memory(handle))["Rss"]
+    script = ("python3 -c \"b = bytearray(256 << 20); "
+              "[b.__setitem__(i, 1) for i in range(0, len(b), 4096)]\"")
+    await run(driver, handle, script, token=tok(sid))
+    peak = (await driver.memory(handle))["Rss"]
+    assert peak > idle + 200 * 2**20
+    deadline = time.monotonic() + 30
+    now = peak
+    while time.monotonic() < deadline:
+        await asyncio.sleep(1)
+        now = (await driver.memory(handle))["Rss"]
+        if now < peak - 150 * 2**20:
+            break
+    assert now < peak - 150 * 2**20, (idle, peak, now)
+
+
+async def test_attach_after_driver_restart(driver: QemuDriver, create: CreateFn,
+                                           home: Path) -> None:
+    handle = await create()
+    other = make_driver(home)
+    await other.start()
+    try:
+        assert await other.attach(handle)
+        res = await run(other, handle, "echo ok", token=tok(handle.sandbox_id))
+        assert res.stdout.strip() == "ok"
+    finally:
+        await other.close()
+
+
+async def test_destroy_is_idempotent_and_complete(driver: QemuDriver, home: Path,
+                                                   rootfs: Path) -> None:
+    handle = await driver.create(spec_for(home, rootfs))
+    pid = int(handle.data["pid"])
+    await driver.destroy(handle)
+    await driver.destroy(handle)
+    assert proc_start_time(pid) is None
+    assert not Path(handle.data["vm"]).exists()
+    assert not Path(handle.data["netns"]).exists()
+    assert not Path(handle.data["ram"]).exists()
+    with pytest.raises(AenvError):
+        await driver.connect(handle, 49983)
