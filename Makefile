@@ -4,13 +4,15 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-APT_PACKAGES := debootstrap nftables iproute2 procps libc-bin binutils btrfs-progs docker-registry skopeo apache2-utils busybox-static zstd
+APT_PACKAGES := debootstrap nftables iproute2 procps libc-bin binutils btrfs-progs docker-registry skopeo apache2-utils busybox-static zstd libfuse2
 STAMP := $(VENV)/.installed
 BUNDLE := /opt/aenv/runtime/py311/.complete
 CRIU := /usr/local/sbin/criu
 CRIU_VERSION := 4.2.1
 # The e2e suites run a second time against the qemu runtime (AENV_TEST_RUNTIME=qemu).
-E2E_QEMU := tests/e2e/test_sdk_sync.py tests/e2e/test_sdk_async.py tests/e2e/test_pause_resume.py tests/e2e/test_snapshot_fork.py
+E2E_QEMU := tests/e2e/test_sdk_sync.py tests/e2e/test_sdk_async.py tests/e2e/test_pause_resume.py \
+	tests/e2e/test_snapshot_fork.py tests/e2e/test_restart.py tests/e2e/test_isolation.py \
+	tests/e2e/test_cli.py tests/e2e/test_api_errors.py
 
 .PHONY: install criu run test test-fast bench lint clean vm test-vm test-e2e-qemu bench-vm
 

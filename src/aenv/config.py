@@ -95,6 +95,17 @@ class ImagesConfig:
     max_concurrent_downloads: int = 3
     max_concurrent_unpacks: int = 2  # CPU-bound (decompress + write): one per core
     retries: int = 5  # per blob, resuming from what was received (HTTP Range)
+    # Unpacked OCI layers kept on local disk, bytes (0 = unbounded). Beyond it the least
+    # recently used layers no live sandbox or operation holds are evicted; a create from a
+    # template whose layers were evicted fetches them again (`aenv.images.cache`).
+    cache_bytes: int = 50 << 30
+    # On-demand layers (`aenv.images.lazy`, docs/architecture.md): `convert_layers` pushes
+    # every unpacked layer into the snapshot repository ([snapshot]) in the background;
+    # `on_demand` pulls layers found converted there lazily (a FUSE read-through layer: a
+    # sandbox starts once the layer's metadata is local; contents are fetched on first read).
+    convert_layers: bool = False
+    on_demand: bool = False
+    on_demand_prefetch_s: int = 10  # fetch the rest of a layer this long after its first read; -1: never
 
 
 @dataclass

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 from e2b import CommandExitException, FileNotFoundException, Sandbox, SandboxException
-from e2e_helpers import wait_until
+from e2e_helpers import container_only, wait_until
 
 from aenv.devserver import ServerProcess
 
@@ -54,6 +54,7 @@ def host_pids() -> int:
 # ------------------------------------------------------------------ processes
 
 
+@container_only
 def test_cannot_see_host_processes(pair: tuple[Sandbox, Sandbox]) -> None:
     a, _ = pair
     marker = f"aenv-e2e-host-{uuid.uuid4().hex}"
@@ -193,6 +194,7 @@ def _watch_host(seconds: float, server: ServerProcess, baseline: int) -> int:
 
 
 @pytest.mark.slow
+@container_only
 def test_fork_bomb_is_contained(pair: tuple[Sandbox, Sandbox], server: ServerProcess) -> None:
     """The classic bash bomb returns at once and keeps forking in the background: the pids
     limit caps it, the server, envd and sibling sandboxes keep working, and killing the
@@ -223,6 +225,7 @@ def test_fork_bomb_is_contained(pair: tuple[Sandbox, Sandbox], server: ServerPro
 
 
 @pytest.mark.slow
+@container_only
 def test_bounded_fork_bomb_then_recovers(server: ServerProcess) -> None:
     """A fork bomb that `timeout` can stop: afterwards the sandbox runs commands again."""
     baseline = host_pids()

@@ -386,3 +386,28 @@ async def test_an_image_restores_with_the_runtime_bundle_it_was_taken_with(
         if handle is not None:
             await drv.destroy(handle)
         await drv.close()
+
+
+@pytest.mark.slow
+async def test_checkpoints_of_a_shell_loop_spawning_commands(driver: ContainerDriver,
+                                                            create: CreateFn, rootfs: Path,
+                                                            home: Path) -> None:
+    """A shell forever spawning commands is, much of the time, a parent waiting in vfork for
+    a child that has not exec'd yet: frozen then, the parent can be neither frozen nor
+    seized by CRIU. Every pause and snapshot must still succeed (the freeze is retried
+    until no task sits in vfork), and the loop keeps going."""
+    handle = await create()
+    await run(driver, handle, "(nohup sh -c 'while :; do /bin/true; echo x >> /root/n; done' "
+                              ">/dev/null 2>&1 &)")
+    await asyncio.sleep(0.3)
+    sid = handle.sandbox_id
+    for _ in range(10):
+        paused = await driver.pause(handle)
+        handle = await driver.resume(paused, spec_for(home, rootfs, sandbox_id=sid,
+                                                      allow_internet_access=False))
+    before = int((await run(driver, handle, "wc -l < /root/n")).stdout)
+    await asyncio.sleep(0.2)
+    assert int((await run(driver, handle, "wc -l < /root/n")).stdout) > before  # still looping
+    for i in range(5):
+        stats = await driver.snapshot(handle, home / "snapshots" / f"{sid}-{i}")
+        assert stats["frozen_s"] < 2.0

@@ -13,7 +13,7 @@ import pytest
 from conftest import CreateFn, make_driver
 from vm_helpers import run, spec_for
 
-from aenv.errors import AenvError
+from aenv.errors import AenvError, ErrorCode
 from aenv.runtime.base import PausableDriver, RuntimeDriver, SnapshotDriver
 from aenv.runtime.container.linux import proc_start_time
 from aenv.runtime.qemu.driver import QemuDriver
@@ -52,6 +52,43 @@ async def test_boot_runs_its_own_kernel(driver: QemuDriver, create: CreateFn) ->
     usage = await driver.stats(handle)
     assert usage.mem_total_bytes == 512 * 2**20
     assert 0 < usage.mem_used_bytes < 2 * 512 * 2**20
+
+
+async def test_cold_boot_and_boot_snapshot(driver: QemuDriver, home: Path,
+                                           rootfs: Path) -> None:
+    """A create restores the boot snapshot of its shape; a cold boot gives the same guest."""
+    cold = await driver._boot(spec_for(home, rootfs))
+    try:
+        warm = await driver.create(spec_for(home, rootfs))
+        try:
+            assert driver.last_timings.get("boot_snapshot") == 1.0
+            outs = [await run(driver, h, "uname -r; hostname", token=tok(h.sandbox_id))
+                    for h in (cold, warm)]
+            assert outs[0].stdout.split()[0] == outs[1].stdout.split()[0]
+            assert [o.stdout.split()[1] for o in outs] == [cold.sandbox_id, warm.sandbox_id]
+        finally:
+            await driver.destroy(warm)
+    finally:
+        await driver.destroy(cold)
+
+
+async def test_connect_to_a_closed_port(driver: QemuDriver, create: CreateFn) -> None:
+    handle = await create()
+    with pytest.raises(AenvError) as exc:
+        await driver.connect(handle, 4321)
+    assert exc.value.code is ErrorCode.PORT_CLOSED
+    await run(driver, handle, "nohup python3 -m http.server 4321 >/dev/null 2>&1 &",
+              token=tok(handle.sandbox_id))
+    for _ in range(100):
+        try:
+            sock = await driver.connect(handle, 4321)
+        except AenvError:
+            await asyncio.sleep(0.2)
+            continue
+        sock.close()
+        break
+    else:
+        raise AssertionError("a user port never became reachable")
 
 
 async def test_envd_requires_the_token(driver: QemuDriver, create: CreateFn) -> None:
@@ -150,6 +187,13 @@ async def test_snapshot_and_fork_children_are_independent(
         # The old token does not work on a child any more.
         with pytest.raises(AssertionError):
             await run(driver, kids[0], "true", token=tok(psid))
+        # A child (its RAM a copy-on-write mapping of the snapshot) pauses and resumes too.
+        kid = kids[0]
+        paused = await driver.pause(kid)
+        kids[0] = await driver.resume(paused, specs[0])
+        res = await run(driver, kids[0], "cat /root/file; pgrep -c -x sleep",
+                        token=tok(kid.sandbox_id))
+        assert res.stdout.split() == [kid.sandbox_id, "1"]
     finally:
         for kid in kids:
             await driver.destroy(kid)

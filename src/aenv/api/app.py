@@ -25,9 +25,13 @@ from aenv.api.errors import error_response, from_aenv_error
 from aenv.api.images import ImageRoutes
 from aenv.api.proxy import SandboxProxy, route_by_headers, route_by_signature
 from aenv.api.routes import SandboxRoutes
+from aenv.api.templates import TemplateRoutes
+from aenv.builds.builder import TemplateBuilds
 from aenv.config import Config
 from aenv.errors import AenvError
 from aenv.images.base import build_base_layer
+from aenv.images.cache import LayerCache
+from aenv.images.lazy import LazyLayers
 from aenv.images.pull import ImagePuller
 from aenv.orchestrator.manager import SandboxManager
 from aenv.orchestrator.models import TemplateRecord
@@ -109,13 +113,22 @@ def build_server(config: Config, show_progress: bool = True) -> Server:
 
     repository = Repository(open_blob_store(config.snapshot, config.home))
     snapshots = LocalCache(layout.cache_dir / "snapshots", config.snapshot.cache_bytes, repository)
+    # The image layer cache never evicts what the manager's sandboxes use (asked at each pass).
+    img = config.images
+    lazy = (LazyLayers(layout, repository, img.on_demand_prefetch_s
+                       if img.on_demand_prefetch_s >= 0 else None)
+            if img.on_demand or img.convert_layers else None)
+    layer_cache = LayerCache(layout.layers_dir, layout.cache_dir / "oci-layers.json",
+                             img.cache_bytes, in_use=lambda: manager.layers_in_use(), lazy=lazy)
+    puller = ImagePuller(config, layout, store, layer_cache, lazy)
+    puller.sweep()
     manager = SandboxManager(config, layout, store, driver, ensure_templates, snapshots,
-                             load_driver=lambda name: load_driver(name, config))
+                             load_driver=lambda name: load_driver(name, config), images=puller)
     proxy = SandboxProxy(manager)
     routes = SandboxRoutes(manager, config)
-    puller = ImagePuller(config, layout, store)
-    puller.sweep()
     images = ImageRoutes(puller, store)
+    builds = TemplateBuilds(config, layout, manager, puller)
+    templates = TemplateRoutes(builds)
 
     async def health(_: Request) -> Response:
         return Response(status_code=204)
@@ -138,11 +151,14 @@ def build_server(config: Config, show_progress: bool = True) -> Server:
         try:
             yield
         finally:
+            await builds.close()
             await manager.close()
+            await puller.close()
             store.close()
 
     control = Starlette(
-        routes=[Route("/health", health, methods=["GET"]), *routes.routes(), *images.routes()],
+        routes=[Route("/health", health, methods=["GET"]), *routes.routes(), *images.routes(),
+                *templates.routes()],
         exception_handlers={AenvError: on_aenv_error, HTTPException: on_http_error,
                             Exception: on_crash},
         lifespan=lifespan,

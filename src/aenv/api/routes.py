@@ -85,7 +85,6 @@ class SandboxRoutes:
             Route("/sandboxes/{sandbox_id}/fork", self.fork, methods=["POST"]),
             Route("/snapshots", self.list_snapshots, methods=["GET"]),
             Route("/snapshots/{snapshot_id}", self.get_snapshot, methods=["GET"]),
-            Route("/templates/{template_id}", self.delete_template, methods=["DELETE"]),
         ]
 
     async def create(self, request: Request) -> Response:
@@ -205,10 +204,6 @@ class SandboxRoutes:
         if tpl.image is None:
             raise not_found(f"snapshot '{tpl.template_id}' not found")
         return JSONResponse(snapshot_body(tpl))
-
-    async def delete_template(self, request: Request) -> Response:
-        await self.manager.delete_template(request.path_params["template_id"])
-        return Response(status_code=204)
 
     async def fork(self, request: Request) -> Response:
         body = await parse_body(request, ForkBody, allow_empty=True)

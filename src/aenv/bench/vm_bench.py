@@ -1,7 +1,8 @@
 """qemu (microVM) runtime lifecycle benchmark, below the API: `QemuDriver` used directly.
 
 Prints, with the accelerator in use (kvm, or tcg = software emulation):
-- boot -> envd ready (create() returns once envd in the guest accepts connections);
+- cold boot -> envd ready, and create -> envd ready (a restore of the shape's boot
+  snapshot, what `create()` does by default);
 - pause (stop + migrate everything into the workspace + quit), resume -> envd ready;
 - snapshot: the window the source VM is stopped;
 - fork x4 and x16: concurrent restores of one snapshot -> all children's envd ready;
@@ -56,8 +57,9 @@ class VmBench:
                            memory_mb=self.memory_mb, pids_max=1024, default_user="root",
                            envd_access_token=TOKEN, allow_internet_access=False)
 
-    async def create(self) -> RuntimeHandle:
-        handle = await self.driver.create(self.spec())
+    async def create(self, cold: bool = False) -> RuntimeHandle:
+        spec = self.spec()
+        handle = await (self.driver._boot(spec) if cold else self.driver.create(spec))
         self.made.append(handle)
         return handle
 
@@ -98,14 +100,26 @@ async def _run(rounds: int, memory_mb: int) -> list[str]:
                    f"{time.perf_counter() - t:.2f} s; guest RAM {memory_mb} MiB")
         await drv.root_images.get((bench.rootfs,))  # built once, not part of a boot
         boots: list[float] = []
+        creates: list[float] = []
         pauses: list[float] = []
         resumes: list[float] = []
         windows: list[float] = []
         for _ in range(rounds):
             t = time.perf_counter()
-            handle = await bench.create()
+            await bench.create(cold=True)
             boots.append(time.perf_counter() - t)
-        out.append(summarize("boot -> envd ready", boots).line())
+        out.append(summarize("cold boot -> envd ready", boots).line())
+        t = time.perf_counter()
+        await drv._boot_image(bench.spec())
+        out.append(f"boot snapshot of the shape made once in {time.perf_counter() - t:.2f} s")
+        for _ in range(rounds):
+            t = time.perf_counter()
+            await bench.create()
+            creates.append(time.perf_counter() - t)
+        out.append(summarize("create (boot snapshot restored) -> envd ready", creates).line())
+        for handle in bench.made[1:]:
+            await drv.destroy(handle)
+        del bench.made[1:]
         handle = bench.made[0]
         await bench.exec(handle, "nohup sleep 100000 >/dev/null 2>&1 &")
         for _ in range(rounds):

@@ -12,9 +12,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from aenv.cli.build import cmd_build
 from aenv.cli.client import ApiError, Client, save_credentials
 from aenv.cli.output import emit
-from aenv.cli.pull import cmd_pull, cmd_template
+from aenv.cli.pull import cmd_cache, cmd_pull, cmd_template
 
 SANDBOX_COLUMNS = ("sandboxID", "templateID", "state", "startedAt", "endAt", "cpuCount",
                    "memoryMB")
@@ -266,9 +267,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="template name (default: the normalised image reference)")
     p.add_argument("--insecure", action="store_true", help="plain-HTTP registry")
 
+    p = sub.add_parser("build", parents=[common],
+                       help="build a template from a Dockerfile: aenv build Dockerfile --name N")
+    p.add_argument("dockerfile", help="path of the Dockerfile")
+    p.add_argument("--name", required=True, help="template name (a rebuild replaces it)")
+    p.add_argument("--context", help="build context directory (default: the Dockerfile's)")
+    p.add_argument("--build-arg", action="append", help="KEY=VALUE for an ARG")
+    p.add_argument("--start-cmd", help="start command (default: ENTRYPOINT + CMD)")
+    p.add_argument("--ready-cmd", help="the template is captured once this exits 0")
+
     p = sub.add_parser("template", parents=[common], help="template ls | rm TEMPLATE...")
     p.add_argument("action", choices=("ls", "rm"))
     p.add_argument("targets", nargs="*", help="template ids or names (rm)")
+
+    sub.add_parser("cache", parents=[common],
+                   help="the image layer cache: size, limit, hits, misses, evictions, layers")
 
     p = sub.add_parser("info", parents=[common], help="show one sandbox")
     p.add_argument("sandbox_id")
@@ -279,6 +292,8 @@ CLIENT_VERBS: dict[str, Callable[[argparse.Namespace, Client], int]] = {
     "auth": cmd_auth, "start": cmd_start, "exec": cmd_exec, "ls": cmd_ls, "rm": cmd_rm,
     "timeout": cmd_timeout, "info": cmd_info, "pause": cmd_pause, "resume": cmd_resume,
     "fork": cmd_fork, "snapshot": cmd_snapshot, "pull": cmd_pull, "template": cmd_template,
+    "build": cmd_build,
+    "cache": cmd_cache,
 }
 
 

@@ -1,4 +1,4 @@
-"""`aenv pull` and `aenv template ls|rm`: client side of the image routes.
+"""`aenv pull`, `aenv template ls|rm` and `aenv cache`: client side of the image routes.
 
 Owns: rendering the pull's NDJSON progress stream (one bar per layer on a terminal, one line
 per layer state change otherwise) and the template listing. Must not touch: anything on
@@ -8,6 +8,7 @@ the server side; talks HTTP only through `cli.client.Client`.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from typing import Any, TextIO
@@ -124,3 +125,23 @@ def cmd_template(args: argparse.Namespace, client: Client) -> int:
             print(f"aenv: {target}: {exc.message}", file=sys.stderr)
             failed += 1
     return 1 if failed else 0
+
+
+CACHE_COLUMNS = ("layer", "bytes", "lastUsed", "inUse", "source")
+
+
+def cmd_cache(args: argparse.Namespace, client: Client) -> int:
+    body: dict[str, Any] = client.call("GET", "/aenv/images/cache").json()
+    if args.output == "json":
+        print(json.dumps(body, indent=2))
+        return 0
+    limit = body["maxBytes"]
+    print(f"image layer cache: {_mb(body['bytes'])} of {_mb(limit) if limit else 'unbounded'} "
+          f"in {body['layers']} layers ({body['held']} in use){' OVER LIMIT' if body['overLimit'] else ''}; "
+          f"hits {body['hits']}, misses {body['misses']}, evictions {body['evictions']} "
+          f"({_mb(body['evictedBytes'])})")
+    rows = [{**r, "layer": r["layer"][:28], "bytes": _mb(r["bytes"]),
+             "lastUsed": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r["lastUsed"]))}
+            for r in body["entries"]]
+    emit(rows, CACHE_COLUMNS, False)
+    return 0

@@ -7,6 +7,13 @@ index; turning the image config (Env, WorkingDir, User, rootfs.diff_ids) into a
 Must not touch: sandboxes, the base template, snapshot templates (a pull never replaces
 either), other layers than the ones it creates.
 
+Every unpacked layer is entered in the bounded layer cache (`images/cache.py`) with the image
+it came from; `ensure_layers` fetches layers the cache evicted again (a create from a
+template waits for it), and every pull or re-fetch ends with an eviction pass. With
+`images.on_demand`, a layer converted into the snapshot repository is attached lazily
+instead of downloaded (`images/lazy.py`); with `images.convert_layers`, unpacked layers are
+converted in the background.
+
 Layers download concurrently (`images.max_concurrent_downloads`) and unpack in threads
 (`images.max_concurrent_unpacks`); one that is already unpacked is neither downloaded nor
 unpacked again. Progress events are dicts (see docs/api.md, "Images"):
@@ -36,7 +43,9 @@ from typing import Any
 from aenv.config import Config
 from aenv.errors import AenvError, ErrorCode, invalid
 from aenv.images import layers as layerfs
-from aenv.images.reference import ImageRef, candidates, normalise
+from aenv.images.cache import LayerCache, is_cached_layer, layer_present, tree_bytes
+from aenv.images.lazy import LazyLayers
+from aenv.images.reference import ImageRef, candidates, normalise, parse_reference
 from aenv.images.registry import INDEX_TYPES, Manifest, RegistryClient, check_digest
 from aenv.orchestrator.models import TemplateRecord
 from aenv.orchestrator.store import Store
@@ -97,10 +106,17 @@ class ImagePuller:
     """Pulls images for one server (one layout, one store). Holds per-blob locks so that two
     concurrent pulls sharing a layer download and unpack it once."""
 
-    def __init__(self, config: Config, layout: Layout, store: Store) -> None:
+    def __init__(self, config: Config, layout: Layout, store: Store,
+                 cache: LayerCache | None = None, lazy: LazyLayers | None = None) -> None:
         self.config = config
         self.layout = layout
         self.store = store
+        self.lazy = lazy  # on-demand layers (None: every layer is downloaded and unpacked)
+        # A server passes a cache whose `in_use` asks the manager; without one (tools, tests)
+        # only the layers of this puller's own operations are protected from eviction.
+        self.cache = cache or LayerCache(layout.layers_dir, layout.cache_dir / "oci-layers.json",
+                                         config.images.cache_bytes, lazy=lazy)
+        self._conversions: set[asyncio.Task[None]] = set()
         self.blobs_dir = layout.cache_dir / "blobs"
         self._locks: dict[str, asyncio.Lock] = {}
         self._downloads = asyncio.Semaphore(max(1, config.images.max_concurrent_downloads))
@@ -110,6 +126,27 @@ class ImagePuller:
         """Blocking, at server start: remove what crashed pulls left (temporary layer dirs).
         Partial blobs are kept for a day: a pull of the same blob resumes them."""
         layerfs.sweep_partial(self.layout.layers_dir)
+        if self.lazy is not None and self.config.images.on_demand:
+            self.lazy.start()  # before the runtime forks sandbox processes: they must see it
+        self.cache.load()
+
+    async def close(self) -> None:
+        """Stop conversions; unmount the on-demand layers unless a sandbox still runs on one
+        (sandboxes outlive the server; the next server reuses the mount)."""
+        for task in list(self._conversions):
+            task.cancel()
+        await asyncio.gather(*self._conversions, return_exceptions=True)
+        self.cache.flush()
+        if self.lazy is not None and self.config.images.on_demand:
+            protected = self.cache.protected()
+            if not any((e := self.cache.entry(layer)) is not None and e.lazy
+                       for layer in protected):
+                await asyncio.to_thread(self.lazy.stop)
+
+    async def wait_conversions(self) -> None:
+        """Wait until background conversions (`images.convert_layers`) are finished."""
+        while self._conversions:
+            await asyncio.gather(*self._conversions, return_exceptions=True)
         if self.blobs_dir.is_dir():
             for entry in self.blobs_dir.iterdir():
                 with contextlib.suppress(FileNotFoundError):
@@ -131,42 +168,122 @@ class ImagePuller:
         refs = candidates(image, self.config.images.search_registries)
         async with RegistryClient(self.config.images, insecure) as client:
             ref, manifest, plat = await self._resolve(client, refs)
-            body = manifest.json()
-            config_desc = body.get("config") or {}
-            config_digest = str(config_desc.get("digest", ""))
-            check_digest(config_digest)
-            image_config = _json_object(await client.blob_bytes(ref, config_digest), "image config")
-            arch = image_config.get("architecture")
-            if arch and arch != host_platform()[1]:
-                # A single-platform image for another CPU would only fail at exec time.
-                raise AenvError(ErrorCode.NOT_SUPPORTED,
-                                f"{ref} is built for {image_config.get('os', 'linux')}/{arch}, "
-                                f"this host runs {'/'.join(host_platform())}")
-            layers = _layers(body, image_config)
+            image_config, layers = await self._image_config(client, ref, manifest)
             emit({"type": "resolved", "image": str(ref), "digest": manifest.digest,
                   "platform": plat, "layers": [{"digest": lay.digest, "size": lay.size}
                                                for lay in layers]})
             started = time.monotonic()
-            await asyncio.to_thread(self.layout.layers_dir.mkdir, parents=True, exist_ok=True)
-            await asyncio.to_thread(ensure_root_layer, self.layout.layers_dir)
-            tasks = [asyncio.create_task(self._layer(client, ref, lay, emit)) for lay in layers]
-            try:
-                await asyncio.gather(*tasks)
-            except BaseException:
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                raise
-        top_first = [*reversed([lay.layer_id for lay in layers]), ROOT_LAYER]
-        cfg = image_config.get("config") or {}
-        # Reads the image's /etc/passwd: off the loop. The store is written on the loop.
-        user = await asyncio.to_thread(_default_user, str(cfg.get("User") or ""),
-                                       [self.layout.layer(i) for i in top_first], template_name)
-        tpl = self._template(template_name, f"{ref.registry}/{ref.repository}@{manifest.digest}",
-                             top_first, cfg, user)
+            source = f"{ref.registry}/{ref.repository}@{manifest.digest}"
+            top_first = [*reversed([lay.layer_id for lay in layers]), ROOT_LAYER]
+            # Held until the template is registered and the eviction pass is over: the
+            # layers of the image being pulled are never the ones evicted for it.
+            with self.cache.held(top_first):
+                await self._download(client, ref, layers, source, insecure, emit)
+                cfg = image_config.get("config") or {}
+                # Reads the image's /etc/passwd: off the loop. The store is written on the loop.
+                user = await asyncio.to_thread(_default_user, str(cfg.get("User") or ""),
+                                               [self.layout.layer(i) for i in top_first],
+                                               template_name)
+                tpl = self._template(template_name, source, top_first, cfg, user)
+                await self.cache.evict()
         log.info("pulled %s (%s, %d layers) in %.1fs as template %s", ref, manifest.digest,
                  len(layers), time.monotonic() - started, tpl.template_id)
         return tpl
+
+    async def _image_config(self, client: RegistryClient, ref: ImageRef, manifest: Manifest
+                            ) -> tuple[dict[str, Any], list[_Layer]]:
+        """The image config of a platform manifest, and its layers bottom first."""
+        body = manifest.json()
+        config_desc = body.get("config") or {}
+        config_digest = str(config_desc.get("digest", ""))
+        check_digest(config_digest)
+        image_config = _json_object(await client.blob_bytes(ref, config_digest), "image config")
+        arch = image_config.get("architecture")
+        if arch and arch != host_platform()[1]:
+            # A single-platform image for another CPU would only fail at exec time.
+            raise AenvError(ErrorCode.NOT_SUPPORTED,
+                            f"{ref} is built for {image_config.get('os', 'linux')}/{arch}, "
+                            f"this host runs {'/'.join(host_platform())}")
+        return image_config, _layers(body, image_config)
+
+    async def _download(self, client: RegistryClient, ref: ImageRef, layers: list[_Layer],
+                        source: str, insecure: bool, emit: ProgressSink) -> None:
+        await asyncio.to_thread(self.layout.layers_dir.mkdir, parents=True, exist_ok=True)
+        await asyncio.to_thread(ensure_root_layer, self.layout.layers_dir)
+        tasks = [asyncio.create_task(self._layer(client, ref, lay, source, insecure, emit))
+                 for lay in layers]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    # ---------------------------------------------------------------- the layer cache
+    def _source_of(self, layer: str) -> tuple[str, bool] | None:
+        """Where an evicted layer can be fetched again: the image recorded with it in the
+        cache, else any pulled template that stacks it."""
+        entry = self.cache.entry(layer)
+        if entry is not None and entry.source:
+            return entry.source, entry.insecure
+        for tpl in self.store.iter_templates():
+            if tpl.source_image and layer in tpl.layers:
+                return tpl.source_image, False
+        return None
+
+    async def ensure_layers(self, layers: list[str]) -> None:
+        """Make every cached (OCI) layer of a layer stack local again, fetching evicted ones
+        from the image they came from (by manifest digest: exactly the same bytes). Counts
+        cache hits and misses. The caller holds the layers (so no eviction takes them)."""
+        wanted = [layer for layer in layers if is_cached_layer(layer)]
+        if not wanted:
+            return
+        with self.cache.held(wanted):
+            missing = [layer for layer in wanted
+                       if not await asyncio.to_thread(layer_present, self.layout.layer(layer))]
+            self.cache.hits += len(wanted) - len(missing)
+            self.cache.misses += len(missing)
+            by_source: dict[tuple[str, bool], set[str]] = {}
+            for layer in missing:
+                origin = self._source_of(layer)
+                if origin is None:
+                    raise AenvError(ErrorCode.NOT_FOUND,
+                                    f"layer {layer} is not on this node and no image records "
+                                    "where it came from; pull the image again")
+                by_source.setdefault(origin, set()).add(layer)
+            for (source, insecure), ids in by_source.items():
+                started = time.monotonic()
+                await self.fetch_layers(source, insecure, ids)
+                log.info("layer cache: fetched %d evicted layers of %s again in %.1fs",
+                         len(ids), source, time.monotonic() - started)
+            self.cache.touch(wanted)
+            if missing:
+                await self.cache.evict()
+
+    async def collect_layers(self) -> None:
+        """An eviction pass (the manager calls it when sandboxes or templates go away)."""
+        await self.cache.evict()
+
+    async def fetch_layers(self, source: str, insecure: bool, layer_ids: set[str],
+                           progress: ProgressSink | None = None) -> None:
+        """Download and unpack the layers `layer_ids` of the image `source`
+        (registry/repository@sha256:<platform manifest digest>)."""
+        ref = parse_reference(source)
+        async with RegistryClient(self.config.images, insecure) as client:
+            client.check_allowed(ref)
+            manifest = await client.manifest(ref, ref.digest)
+            if manifest.media_type in INDEX_TYPES:
+                raise AenvError(ErrorCode.INVALID_ARGUMENT,
+                                f"{source} is an image index, not the platform manifest")
+            _, layers = await self._image_config(client, ref, manifest)
+            chosen = [lay for lay in layers if lay.layer_id in layer_ids]
+            absent = layer_ids - {lay.layer_id for lay in chosen}
+            if absent:
+                raise AenvError(ErrorCode.NOT_FOUND,
+                                f"{source} has no layer {', '.join(sorted(absent))}")
+            await self._download(client, ref, chosen, source, insecure,
+                                 progress or (lambda _: None))
 
     # ---------------------------------------------------------------- resolve
     async def _resolve(self, client: RegistryClient, refs: list[ImageRef]
@@ -210,8 +327,8 @@ class ImagePuller:
     def _lock(self, key: str) -> asyncio.Lock:
         return self._locks.setdefault(key, asyncio.Lock())
 
-    async def _layer(self, client: RegistryClient, ref: ImageRef, lay: _Layer,
-                     emit: ProgressSink) -> None:
+    async def _layer(self, client: RegistryClient, ref: ImageRef, lay: _Layer, source: str,
+                     insecure: bool, emit: ProgressSink) -> None:
         total = lay.size or 0
         final = self.layout.layer(lay.layer_id)
 
@@ -221,9 +338,24 @@ class ImagePuller:
 
         event("waiting", 0)
         async with self._lock(lay.layer_id):
-            if await asyncio.to_thread(final.is_dir):
+            if await asyncio.to_thread(layer_present, final):
+                size = -1 if lay.layer_id in self.cache else await asyncio.to_thread(
+                    tree_bytes, final)
+                self.cache.add(lay.layer_id, size, source, insecure)
                 event("exists", total)
                 return
+            if (self.lazy is not None and self.config.images.on_demand
+                    and await self.lazy.available(lay.layer_id)):
+                event("lazy", 0)
+                size = await self.lazy.attach(lay.layer_id, final)
+                self.cache.add(lay.layer_id, 0, source, insecure, lazy=True)
+                log.info("layer %s attached on demand (%d bytes of files, none fetched yet)",
+                         lay.layer_id, size)
+                event("done", total)
+                return
+            if await asyncio.to_thread(final.is_symlink):
+                # An on-demand layer whose FUSE mount is gone: unpack it for real instead.
+                await asyncio.to_thread(final.unlink)
             blob = self.blobs_dir / lay.digest.replace(":", "-")
             await asyncio.to_thread(self.blobs_dir.mkdir, parents=True, exist_ok=True)
             try:
@@ -248,11 +380,35 @@ class ImagePuller:
                     event("extracting", 0)
                     await _to_thread_to_the_end(layerfs.unpack_layer, blob, lay.media_type,
                                                 lay.diff_id, self.layout.layers_dir, unpacked)
+                self.cache.add(lay.layer_id, await asyncio.to_thread(tree_bytes, final), source,
+                               insecure)
+                if self.lazy is not None and self.config.images.convert_layers:
+                    self._convert_later(lay.layer_id)
             finally:
                 # The compressed blob is not kept once unpacked (or found bad): the layer
                 # directory is the only copy. A `.partial` stays for a later resume.
                 await asyncio.to_thread(blob.unlink, True)
         event("done", total)
+
+    def _convert_later(self, layer: str) -> None:
+        """Push an unpacked layer to the repository in the background (held meanwhile: the
+        push reads the directory, so the cache must not evict it)."""
+        assert self.lazy is not None
+        lazy = self.lazy
+        self.cache.hold([layer])
+
+        async def run() -> None:
+            try:
+                await lazy.convert(layer, self.layout.layer(layer))
+            except AenvError as exc:
+                log.warning("could not convert layer %s for on-demand pulls: %s", layer,
+                            exc.message)
+            finally:
+                self.cache.release([layer])
+
+        task = asyncio.create_task(run(), name=f"aenv-convert-{layer}")
+        self._conversions.add(task)
+        task.add_done_callback(self._conversions.discard)
 
     # ---------------------------------------------------------------- the template
     def _template(self, name: str, source: str, top_first: list[str], cfg: dict[str, Any],

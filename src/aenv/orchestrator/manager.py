@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Protocol
 
 from aenv.config import Config
 from aenv.errors import AenvError, ErrorCode, invalid, not_found
@@ -56,12 +57,23 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+class ImageLayers(Protocol):
+    """The node's cache of image layers (`aenv.images.pull.ImagePuller`): layers it may
+    have evicted are fetched again before a sandbox starts on them."""
+
+    async def ensure_layers(self, layers: list[str]) -> None: ...
+
+    async def collect_layers(self) -> None: ...
+
+
 class SandboxManager:
     def __init__(self, config: Config, layout: Layout, store: Store, driver: RuntimeDriver,
                  ensure_templates: Callable[[], Awaitable[None]] | None = None,
                  snapshots: LocalCache | None = None,
-                 load_driver: Callable[[str], RuntimeDriver] | None = None) -> None:
+                 load_driver: Callable[[str], RuntimeDriver] | None = None,
+                 images: ImageLayers | None = None) -> None:
         self.config = config
+        self.images = images  # None: layers are never evicted, nothing to fetch again
         self.layout = layout
         self.store = store
         self.driver = driver  # the default runtime; others start on first use (load_driver)
@@ -245,6 +257,8 @@ class SandboxManager:
         self._creating += 1
         try:
             with self._layers_held(tpl.layers):
+                if self.images is not None:
+                    await self.images.ensure_layers(list(tpl.layers))
                 if tpl.image is not None:
                     await self._ensure_layers(tpl.layers)
                     async with self._image(tpl.image) as images:
@@ -498,8 +512,30 @@ class SandboxManager:
                     log.info("layer %s pulled from the repository (%d bytes, %.2f s)", layer,
                              stats.bytes_total, stats.seconds)
 
+    def layers_in_use(self) -> set[str]:
+        """Layer directories no cache may evict: those of every sandbox on record (running,
+        paused or in transition), of operations in flight, and of the default template
+        (a driver's ready pool runs sandboxes on it before any record exists)."""
+        used = set(self._layers_in_flight)
+        for rec in self._records.values():
+            layers = rec.layers
+            if not layers:
+                tpl = self.store.find_template(rec.template_id)
+                layers = tpl.layers if tpl is not None else []
+            used.update(_layer_root(layer) for layer in layers)
+        default = self.store.find_template(self.config.sandbox.template)
+        if default is not None:
+            used.update(_layer_root(layer) for layer in default.layers)
+        return used
+
     async def _collect_layers(self) -> None:
-        """Remove local sealed layers that no template, sandbox or operation uses any more."""
+        """Remove local sealed layers that no template, sandbox or operation uses any more
+        (and let the image layer cache evict cold layers)."""
+        if self.images is not None:
+            try:
+                await self.images.collect_layers()
+            except (OSError, AenvError) as exc:
+                log.warning("image layer cache eviction failed: %s", exc)
         drivers = [d for d in self._drivers.values() if isinstance(d, LayerSealingDriver)]
         if not drivers or not self.layout.layers_dir.is_dir():
             return

@@ -81,22 +81,38 @@ _HOOK_SCRIPT = r"""#!/bin/bash
 set -e
 [ "$CRTOOLS_SCRIPT_ACTION" = pre-dump ] || exit 0
 echo "start $EPOCHREALTIME" > "$AENV_MARKS"
-echo FROZEN > "$AENV_FREEZER/freezer.state"
-# A task stuck in the kernel can keep the cgroup FREEZING forever: give up after ~5 s, so
-# that CRIU aborts, and the caller thaws. Spin first (freezing takes microseconds), then nap.
+# Freeze, and make sure no task is caught in the middle of a vfork: its parent then waits
+# uninterruptibly (state D) for a child that is frozen before its exec, which the freezer
+# cannot freeze (FREEZING forever) or CRIU cannot seize ("Unseizable ... state D", after
+# its 10 s timeout). A shell loop spawning commands is in that window ~10% of the time.
+# So: freeze; if it does not settle at once, or a task sits in vfork, thaw, let the child
+# exec, and freeze again. Give up after ~5 s (a task stuck in the kernel): CRIU aborts and
+# the caller thaws.
 deadline=$(( ${EPOCHREALTIME%.*} + 5 ))
-polls=0
-read -r state < "$AENV_FREEZER/freezer.state"
-while [ "$state" != FROZEN ]; do
-    polls=$((polls + 1))
-    if [ "$polls" -gt 200 ]; then
-        if [ "${EPOCHREALTIME%.*}" -ge "$deadline" ]; then
-            echo "aenv: freezer $AENV_FREEZER still $state" >&2
-            exit 1
-        fi
-        sleep 0.002
-    fi
+while :; do
+    echo FROZEN > "$AENV_FREEZER/freezer.state"
+    polls=0
     read -r state < "$AENV_FREEZER/freezer.state"
+    while [ "$state" != FROZEN ] && [ "$polls" -lt 300 ]; do
+        polls=$((polls + 1))
+        read -r state < "$AENV_FREEZER/freezer.state"
+    done
+    in_vfork=
+    if [ "$state" = FROZEN ]; then
+        mapfile -t pids < "$AENV_FREEZER/tasks"
+        for pid in "${pids[@]}"; do
+            stack=
+            read -r -d '' stack < "/proc/$pid/stack" || true
+            if [[ $stack == *vfork* ]]; then in_vfork=$pid; break; fi
+        done
+        [ -z "$in_vfork" ] && break
+    fi
+    if [ "${EPOCHREALTIME%.*}" -ge "$deadline" ]; then
+        echo "aenv: freezer $AENV_FREEZER still $state${in_vfork:+ (task $in_vfork in vfork)}" >&2
+        exit 1
+    fi
+    echo THAWED > "$AENV_FREEZER/freezer.state"
+    sleep 0.002
 done
 echo "frozen $EPOCHREALTIME" >> "$AENV_MARKS"
 if [ -n "${AENV_UPPER:-}" ]; then

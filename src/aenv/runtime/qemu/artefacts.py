@@ -131,6 +131,14 @@ def current(vm_dir: Path = VM_DIR) -> Artefacts | None:
     return found
 
 
+def kernel_dirs(vm_dir: Path = VM_DIR) -> list[Path]:
+    """Unpacked kernel packages (scripts/install-vm.sh), newest name last."""
+    base = vm_dir / "kernel"
+    if not base.is_dir():
+        return []
+    return sorted(p for p in base.iterdir() if (p / ".complete").exists())
+
+
 def init_script() -> str:
     out = INIT_SCRIPT.replace("@MODULES@", " ".join(MODULES))
     for key, value in (("@ROOT@", ROOT_LABEL), ("@TOOLS@", TOOLS_LABEL),
@@ -245,11 +253,16 @@ def build(kernel_dir: Path, dest: Path = VM_DIR, bundle: Path = pybundle.BUNDLE_
             for path in stage.iterdir():
                 path.chmod(0o644)
             stage.chmod(0o755)
-            os.rename(stage, final)
+            try:
+                os.rename(stage, final)
+            except OSError:
+                if not (final / MANIFEST).is_file():
+                    raise
+                shutil.rmtree(stage)  # another process built the same version meanwhile
         except BaseException:
             shutil.rmtree(stage, ignore_errors=True)
             raise
-    tmp_link = dest / f".{CURRENT}.tmp"
+    tmp_link = dest / f".{CURRENT}.{os.getpid()}.tmp"
     tmp_link.unlink(missing_ok=True)
     tmp_link.symlink_to(version)
     os.replace(tmp_link, dest / CURRENT)  # atomic switch; older directories stay

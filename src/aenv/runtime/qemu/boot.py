@@ -1,13 +1,14 @@
 """QEMU and kernel command lines, and the choice of accelerator.
 
 Owns: the argv of every QEMU process the driver starts, the guest kernel command line, and the
-accelerator probe's cache file (<state>/accel.json).
+accelerator probe's cache file (/run/aenv/qemu-accel.json).
 Must not touch: running VMs (it only builds argument lists and runs the probe VM).
 
 Accelerator: `runtime.qemu_accel = "auto"` boots the guest kernel once with KVM and a short
 timeout; if the guest's init does not report in time (nested or paravirtualised KVM where a
 stock kernel hangs, or `-cpu host` aborting on unknown MSRs), TCG (software emulation) is used.
-The outcome is cached per QEMU binary, kernel and /dev/kvm, so the probe runs once per host.
+The outcome is cached per QEMU binary, artefacts and /dev/kvm, so the probe runs once per host
+boot.
 
 Why these machine options: `microvm` (no PCI, no firmware, virtio-mmio) boots in about a
 second even under TCG. Its kernel needs `tsc_early_khz=` (otherwise about one boot in ten
@@ -34,6 +35,8 @@ from aenv.runtime.qemu.network import GUEST_ADDRESS, GUEST_MAC, HOST_SIDE, PREFI
 QEMU = "qemu-system-x86_64"
 ACCELS = ("auto", "kvm", "tcg")
 PROBE_MARK = b"AENV-PROBE-OK"
+# Per host and boot (tmpfs): every server on the host shares one probe.
+PROBE_CACHE = Path("/run/aenv/qemu-accel.json")
 
 
 def qemu_binary() -> str:
@@ -54,7 +57,8 @@ def tsc_khz() -> int:
 
 def kernel_cmdline(*, probe: bool = False, network: bool = True) -> str:
     parts = ["console=ttyS0", "panic=-1", "quiet", "loglevel=3", "random.trust_cpu=on",
-             "i8042.noaux", "i8042.nokbd", "cryptomgr.notests", "nomodeset"]
+             "i8042.noaux", "i8042.nokbd", "cryptomgr.notests", "nomodeset",
+             "tsc=reliable", "nowatchdog"]
     khz = tsc_khz()
     if khz:
         parts.append(f"tsc_early_khz={khz}")
@@ -242,7 +246,7 @@ async def choose_accel(setting: str, artefacts: Artefacts, cache: Path,
     ok, why = await probe_kvm(artefacts, timeout)
     accel = "kvm" if ok else "tcg"
     cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(".tmp")
+    tmp = cache.with_name(f".{cache.name}.{os.getpid()}")
     tmp.write_text(json.dumps({"key": key, "accel": accel, "why": why}))
     os.replace(tmp, cache)
     return accel, why

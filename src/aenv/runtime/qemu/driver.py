@@ -2,15 +2,16 @@
 
 Owns: QEMU processes (each in its own session and network namespace, so they survive a server
 restart), the files of a VM in its workspace (`disk.qcow2` overlay, `qmp.sock`, `ctl.sock`,
-`qemu.pid`, `console.log`, `qemu.log`, `paused/`), guest RAM files under <state>/ram/ (tmpfs)
-and /run/aenv/vmram/<home hash>/ (a ramfs, see restore), VM network namespaces (`network.py`), shared root images
-(`images.py`).
+`qemu.pid`, `console.log`, `qemu.log`, `paused/`), guest RAM files under
+/dev/shm/aenv-vm/<home hash>/ (tmpfs) and /run/aenv/vmram/<home hash>/ (a ramfs, see below),
+boot snapshots under <home>/runtime/qemu/boot/, VM network namespaces (`network.py`), shared
+root images (`images.py`).
 Must not touch: the container runtime's processes and cgroups, the orchestrator's records.
 
 Handle data (JSON): pid + start_time identify the QEMU process across pid reuse and restarts;
 `vm` (the workspace), `artefacts` (the artefact directory this VM booted from: a rebuild of the
 artefacts never strands it), `accel`, `netns`/`slot`, `ram`/`ram_shared`, `memory_mb`, `cpus`,
-`envd_port`; `paused` (the migration stream) while paused.
+`envd_port`; `paused` (the device/migration stream) and `paused_ram` while paused.
 
 Guest RAM is a `memory-backend-file` (share=on) on tmpfs, so a snapshot is: stop, migrate the
 device state only (`x-ignore-shared`), copy the RAM file and the disk overlay, cont. A copy
@@ -19,8 +20,11 @@ QEMU 7.2 discards free-reported pages of a file-backed RAM block by punching hol
 file*, also for private mappings, which would zero pages of the snapshot under every other
 copy: so copies map a copy of the snapshot's RAM on a ramfs (no hole punching there: the
 discard fails harmlessly), made once per snapshot image and unlinked as soon as the restores
-using it have mapped it. Pause migrates everything (RAM included) into the workspace and
-ends the QEMU process, so a paused sandbox holds no memory.
+using it have mapped it. Pause saves the RAM and the devices into the workspace and ends the
+QEMU process, so a paused sandbox holds no memory.
+
+Creates restore a boot snapshot of their shape (see `_boot_image`) unless
+`runtime.qemu_boot_snapshot` is off; `_boot` is the cold path.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from typing import Any
 
 from aenv.config import Config
 from aenv.errors import AenvError, ErrorCode
+from aenv.runtime import pybundle
 from aenv.runtime.base import ReadyShape, ResourceUsage, RuntimeHandle, SandboxSpec
 from aenv.runtime.container import linux
 from aenv.runtime.container.network import NetworkPool
@@ -53,7 +58,6 @@ from aenv.runtime.qemu.qmp import Qmp
 
 log = logging.getLogger(__name__)
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
-_PAGE = os.sysconf("SC_PAGE_SIZE")
 IMAGE_FORMAT = 1  # of a snapshot directory (vm.json)
 # QEMU 7.2 caps migration at 32 MiB/s by default: far too slow for a local file.
 _MIGRATE_BANDWIDTH = 64 * 2**30
@@ -70,6 +74,13 @@ class _Live:
     # Host ends of connections into the guest. A killed VM sends no FIN or RST, so destroy
     # and pause shut these down: streams through the proxy end at once instead of hanging.
     sockets: weakref.WeakSet[socket.socket] = field(default_factory=weakref.WeakSet)
+    ctl: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+
+def _close_ctl(live: _Live | None) -> None:
+    if live is not None and live.ctl is not None:
+        live.ctl[1].close()
+        live.ctl = None
 
 
 @dataclass
@@ -85,9 +96,10 @@ class QemuDriver:
 
     def __init__(self, config: Config, *, vm_dir: Path = artefacts_mod.VM_DIR,
                  disk_cache: Path | None = None, create_timeout: float = 180.0,
-                 network: NetworkPool | None = None) -> None:
+                 network: NetworkPool | None = None, build_artefacts: bool = True) -> None:
         self.config = config
         self.vm_dir = vm_dir
+        self.build_artefacts = build_artefacts
         self.state_dir = config.home / "runtime" / "qemu"
         # Per home (several servers may share a host), stable across server restarts.
         home_key = hashlib.sha256(str(config.home.resolve()).encode()).hexdigest()[:12]
@@ -119,6 +131,12 @@ class QemuDriver:
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
         boot.qemu_binary()  # fails early with "not installed: run make install"
+        kernels = artefacts_mod.kernel_dirs(self.vm_dir)
+        if self.build_artefacts and kernels:
+            # As the container driver refreshes its bundle: VMs run the current envd code.
+            # A second or two when nothing changed (hashing); a new directory when it did.
+            await asyncio.to_thread(pybundle.build, pybundle.BUNDLE_DIR)
+            await asyncio.to_thread(artefacts_mod.build, kernels[-1], self.vm_dir)
         found = artefacts_mod.current(self.vm_dir)
         if found is None:
             raise AenvError(ErrorCode.UNAVAILABLE,
@@ -126,11 +144,35 @@ class QemuDriver:
                             "(scripts/install-vm.sh)")
         self.artefacts = found
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(self._drop_stale_boot_images, found)
         self.ram_dir.mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(self._mount_ramfs)
         self.accel, self.accel_reason = await boot.choose_accel(
-            self.config.runtime.qemu_accel, found, self.state_dir / "accel.json")
+            self.config.runtime.qemu_accel, found, boot.PROBE_CACHE)
         self._host_netns = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+
+    def _drop_stale_boot_images(self, current: artefacts_mod.Artefacts) -> None:
+        """Boot snapshots of older artefacts are never used again (the key names the
+        artefacts); VMs made from them depend on nothing in them. Blocking."""
+        boot_dir = self.state_dir / "boot"
+        if not boot_dir.is_dir():
+            return
+        for entry in boot_dir.iterdir():
+            try:
+                meta = json.loads((entry / "vm.json").read_text())
+                stale = meta.get("artefacts") != str(current.root)
+            except (OSError, ValueError):
+                stale = True  # half made (a crash while capturing)
+            if stale:
+                shutil.rmtree(entry, ignore_errors=True)
+        # VMs a dead server was capturing: their QEMU (if still there) goes too.
+        leftovers = self.state_dir / "boot-vms"
+        for pidfile in leftovers.glob("*/qemu.pid"):
+            pid = boot.read_pid(pidfile)
+            with contextlib.suppress(OSError):
+                if pid and str(pidfile.parent).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(leftovers, ignore_errors=True)
 
     def _ramfs_mounted(self) -> bool:
         mounts = Path("/proc/self/mounts").read_text().splitlines()
@@ -166,6 +208,7 @@ class QemuDriver:
             self.ram_dir.rmdir()  # when no VM of this home runs any more
         await self.networks.close()
         for live in self._live.values():
+            _close_ctl(live)
             if live.netns_fd is not None:
                 os.close(live.netns_fd)
         self._live.clear()
@@ -297,16 +340,29 @@ class QemuDriver:
                                     f"{mig.get('error-desc')} {_tail(paths.root / 'qemu.log')}")
                 await qmp.execute("cont")
 
-    async def _ctl(self, sid: str, data: dict[str, Any], msg: dict[str, Any],
-                   timeout: float) -> None:
-        """One request over the guest's control port; waits for its reply."""
+    async def _ctl_conn(self, sid: str, data: dict[str, Any]
+                        ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """The connection to the guest's control port, kept open while the VM runs: with a
+        host connected, the guest blocks in read() instead of polling for one."""
+        live = self._live.get(sid)
+        if live is not None and live.ctl is not None and not live.ctl[1].is_closing():
+            return live.ctl
         path = boot.VmPaths(Path(data["vm"])).ctl
-        msg = {"id": 1, **msg}
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(str(path)), 10)
+            conn = await asyncio.wait_for(asyncio.open_unix_connection(str(path)), 10)
         except (OSError, TimeoutError) as exc:
             raise AenvError(ErrorCode.UNAVAILABLE, f"sandbox {sid}: control port: {exc!r}"
                             ) from None
+        if live is not None:
+            live.ctl = conn
+        return conn
+
+    async def _ctl(self, sid: str, data: dict[str, Any], msg: dict[str, Any],
+                   timeout: float) -> None:
+        """One request over the guest's control port; waits for its reply."""
+        msg = {"id": secrets.randbelow(2**31), **msg}
+        reader, writer = await self._ctl_conn(sid, data)
+        ok = False
         try:
             writer.write(json.dumps(msg).encode() + b"\n")
             await writer.drain()
@@ -326,14 +382,15 @@ class QemuDriver:
                 with contextlib.suppress(ValueError):
                     reply = json.loads(line)
                     if reply.get("id") == msg["id"]:
+                        ok = True
                         if not reply.get("ok"):
                             raise AenvError(ErrorCode.INTERNAL,
                                             f"sandbox {sid}: guest {msg['op']}: {reply.get('error')}")
                         return
         finally:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+            if not ok:  # out of step with the guest: start afresh next time
+                _close_ctl(self._live.get(sid))
+                writer.close()
 
     def _identity(self, sid: str) -> dict[str, Any]:
         return {"hostname": sid, "hosts": _hosts(sid), "time": time.time(),
@@ -393,6 +450,8 @@ class QemuDriver:
         if not self._alive(live):
             return False
         await self.networks.claim(handle.data)
+        with contextlib.suppress(AenvError):
+            await self._ctl_conn(handle.sandbox_id, handle.data)  # the guest stops polling
         return True
 
     async def connect(self, handle: RuntimeHandle, port: int, timeout: float = 10.0
@@ -421,7 +480,7 @@ class QemuDriver:
             if not self._alive(live):
                 raise AenvError(ErrorCode.UNAVAILABLE,
                                 f"sandbox {handle.sandbox_id} is not running") from None
-            raise AenvError(ErrorCode.UNAVAILABLE,
+            raise AenvError(ErrorCode.PORT_CLOSED,
                             f"nothing listens on port {port} in sandbox {handle.sandbox_id}: "
                             f"{exc!r}") from None
         live.sockets.add(sock)
@@ -458,6 +517,7 @@ class QemuDriver:
         if live is not None and live.netns_fd is not None:
             os.close(live.netns_fd)
         pid, start = data.get("pid"), data.get("start_time")
+        _close_ctl(live)
         if live is not None:
             for sock in list(live.sockets):
                 with contextlib.suppress(OSError):
@@ -494,8 +554,11 @@ class QemuDriver:
             await asyncio.sleep(0.002)
 
     async def pause(self, handle: RuntimeHandle) -> RuntimeHandle:
-        """Stop the VM, migrate its whole state (RAM included) into <vm>/paused/, end QEMU:
-        the sandbox then holds no memory and no CPU; its disk overlay stays in place."""
+        """Stop the VM, save its state into <vm>/paused/, end QEMU: the sandbox then holds no
+        memory and no CPU; its disk overlay stays in place. Shared RAM (a file on tmpfs)
+        is copied to disk as is (sparse) next to a device-only stream, which resumes faster
+        than parsing RAM out of a stream; private RAM (a copy of a snapshot) goes into the
+        stream."""
         sid = handle.sandbox_id
         data = dict(handle.data)
         live = self._live_of(handle)
@@ -504,27 +567,32 @@ class QemuDriver:
         vm = Path(data["vm"])
         paused = vm / "paused"
         paused.mkdir(exist_ok=True)
-        stream = paused / f"state-{time.time_ns()}"
+        stamp = time.time_ns()
+        stream, ram_copy = paused / f"state-{stamp}", paused / f"ram-{stamp}"
+        shared = bool(data.get("ram_shared"))
         t0 = time.monotonic()
         async with live.lock, Qmp(boot.VmPaths(vm).qmp) as qmp:
             await qmp.execute("stop")
             t_stop = time.monotonic()
             try:
-                await self._migrate(qmp, stream, ignore_shared=False)
+                await self._migrate(qmp, stream, ignore_shared=shared)
+                if shared:
+                    await images.copy_sparse(Path(data["ram"]), ram_copy)
             except BaseException:
                 with contextlib.suppress(AenvError):
                     await qmp.execute("cont")
                 images.remove(stream)
+                images.remove(ram_copy)
                 raise
             t_saved = time.monotonic()
             with contextlib.suppress(AenvError):
                 await qmp.execute("quit")
         await self._cleanup(sid, data, remove_workspace=False)
         data.update(pid=None, start_time=None, netns=None, slot=None, ram=None,
-                    paused=str(stream))
+                    paused=str(stream), paused_ram=str(ram_copy) if shared else None)
+        size = stream.stat().st_size + (ram_copy.stat().st_blocks * 512 if shared else 0)
         self.last_timings = {"stop": t_stop - t0, "save": t_saved - t_stop,
-                             "total": time.monotonic() - t0,
-                             "image_bytes": float(stream.stat().st_size)}
+                             "total": time.monotonic() - t0, "image_bytes": float(size)}
         return RuntimeHandle(self.name, sid, data)
 
     async def resume(self, handle: RuntimeHandle, spec: SandboxSpec) -> RuntimeHandle:
@@ -533,20 +601,24 @@ class QemuDriver:
         stream = Path(str(data.get("paused") or ""))
         if not data.get("paused") or not stream.is_file():
             raise AenvError(ErrorCode.NOT_FOUND, f"sandbox {sid}: no paused image to resume from")
+        saved_ram = Path(data["paused_ram"]) if data.get("paused_ram") else None
         t0 = time.monotonic()
         data.update(ram=str(self._new_ram_path(sid)), ram_shared=True,
                     internet=spec.allow_internet_access)
         try:
+            if saved_ram is not None:
+                await images.copy_sparse(saved_ram, Path(data["ram"]))
             async with self._starting:
-                await self._launch(sid, data, incoming=stream)
+                await self._launch(sid, data, incoming=stream,
+                                   ignore_shared=saved_ram is not None)
                 t_loaded = time.monotonic()
                 await self._ctl(sid, data, {"op": "identity", **self._identity(sid)}, 60)
                 await self._wait_envd(sid, data, time.monotonic() + 60)
         except BaseException:
-            # Still paused: the stream and the disk are intact; a later resume can retry.
+            # Still paused: the saved state and the disk are intact; a later resume retries.
             await self._cleanup(sid, data, remove_workspace=False)
             raise
-        data["paused"] = None
+        data.update(paused=None, paused_ram=None)
         await asyncio.to_thread(shutil.rmtree, stream.parent, True)
         self.last_timings = {"load": t_loaded - t0, "total": time.monotonic() - t0}
         return RuntimeHandle(self.name, sid, data)

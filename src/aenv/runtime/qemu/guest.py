@@ -7,7 +7,8 @@ Owns, inside the guest: /dev/pts, /dev/shm, /run (tmpfs), the hostname, /etc/hos
 Must not touch: anything else of the template's root filesystem.
 
 The host talks to it over the virtio-serial port `aenv.ctl` (never over the network, which
-sandbox code and published ports share): one JSON object per line each way.
+sandbox code and published ports share): one JSON object per line each way. The driver keeps
+its end connected while the VM runs, so that the guest's reader blocks instead of polling.
 - `config` (once, at boot): identity + envd's settings, including its access token (secrets
   never go on the kernel command line: /proc/cmdline is world-readable).
 - `identity` (after a resume or a restore from a snapshot): new hostname, hosts, the host's
@@ -129,12 +130,18 @@ class Control:
         self.buf = b""
 
     def _read(self) -> dict[str, Any] | None:
+        idle = 0.01
         while b"\n" not in self.buf:
             chunk = os.read(self.fd, 65536)
             if not chunk:
-                # No host connected (e.g. during a migration); try again shortly.
-                time.sleep(0.05)
+                # No host connected: read() returns at once (poll() would say POLLHUP), so
+                # wait, backing off. The driver stays connected while it runs, so this only
+                # spins briefly after a restore and at 1 Hz while the server is down: an
+                # idle guest costs ~1% of a host core under TCG instead of ~3% at 20 Hz.
+                time.sleep(idle)
+                idle = min(idle * 2, 1.0)
                 continue
+            idle = 0.01
             self.buf += chunk
         line, self.buf = self.buf.split(b"\n", 1)
         try:
