@@ -56,6 +56,7 @@ from aenv.runtime import pybundle
 from aenv.runtime.base import ReadyShape, ResourceUsage, RuntimeHandle, SandboxSpec
 from aenv.runtime.container import cgroups, checkpoint, layers, linux, zygote
 from aenv.runtime.container.network import NetworkPool
+from aenv.runtime.envd_init import post_init
 
 _ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")  # a hostname label and a path component
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -659,28 +660,8 @@ class ContainerDriver:
     async def _init_envd(self, handle: RuntimeHandle, token: str, body: dict[str, Any]
                          ) -> None:
         """`POST /init` to the sandbox's envd, authenticated with its current `token`."""
-        raw = json.dumps(body).encode()
-        loop = asyncio.get_running_loop()
         sock = await self.connect(handle, int(handle.data["envd_port"]))
-        try:
-            await loop.sock_sendall(sock, (
-                f"POST /init HTTP/1.1\r\nHost: envd\r\nConnection: close\r\n"
-                f"Content-Type: application/json\r\nX-Access-Token: {token}\r\n"
-                f"Content-Length: {len(raw)}\r\n\r\n").encode() + raw)
-            reply = b""
-            async with asyncio.timeout(10):
-                while b"\r\n" not in reply:
-                    chunk = await loop.sock_recv(sock, 4096)
-                    if not chunk:
-                        break
-                    reply += chunk
-        except TimeoutError:
-            raise AenvError(ErrorCode.TIMEOUT, "envd /init timed out") from None
-        finally:
-            sock.close()
-        parts = reply.split(b"\r\n", 1)[0].split()
-        if len(parts) < 2 or parts[1] != b"204":
-            raise AenvError(ErrorCode.INTERNAL, f"envd /init answered {reply[:100]!r}")
+        await post_init(sock, token, body)
 
     async def _discard_claim(self, name: str, sid: str, data: dict[str, Any]) -> None:
         """Destroy a pool sandbox whose claim failed half-way (under either name)."""

@@ -51,6 +51,7 @@ from aenv.runtime import pybundle
 from aenv.runtime.base import ReadyShape, ResourceUsage, RuntimeHandle, SandboxSpec
 from aenv.runtime.container import linux
 from aenv.runtime.container.network import NetworkPool
+from aenv.runtime.envd_init import post_init
 from aenv.runtime.qemu import artefacts as artefacts_mod
 from aenv.runtime.qemu import boot, images
 from aenv.runtime.qemu.network import GUEST_ADDRESS, VmNetworks, open_netns
@@ -819,28 +820,8 @@ class QemuDriver:
     async def _init_envd(self, handle: RuntimeHandle, token: str, body: dict[str, Any]
                          ) -> None:
         """`POST /init` to the guest's envd, authenticated with its current `token`."""
-        raw = json.dumps(body).encode()
-        loop = asyncio.get_running_loop()
         sock = await self.connect(handle, int(handle.data["envd_port"]))
-        try:
-            await loop.sock_sendall(sock, (
-                f"POST /init HTTP/1.1\r\nHost: envd\r\nConnection: close\r\n"
-                f"Content-Type: application/json\r\nX-Access-Token: {token}\r\n"
-                f"Content-Length: {len(raw)}\r\n\r\n").encode() + raw)
-            reply = b""
-            async with asyncio.timeout(20):
-                while b"\r\n" not in reply:
-                    chunk = await loop.sock_recv(sock, 4096)
-                    if not chunk:
-                        break
-                    reply += chunk
-        except TimeoutError:
-            raise AenvError(ErrorCode.TIMEOUT, "envd /init timed out") from None
-        finally:
-            sock.close()
-        parts = reply.split(b"\r\n", 1)[0].split()
-        if len(parts) < 2 or parts[1] != b"204":
-            raise AenvError(ErrorCode.INTERNAL, f"envd /init answered {reply[:100]!r}")
+        await post_init(sock, token, body, timeout=20)
 
     # -- memory -----------------------------------------------------------------------------
     async def memory(self, handle: RuntimeHandle) -> dict[str, int]:
