@@ -12,26 +12,18 @@ from collections.abc import Iterator
 
 import pytest
 
-from aenv.devserver import S3Server, ServerProcess, free_port, prepare_home, remove_home
+from aenv.devserver import S3Server, ServerProcess, free_port, sdk_server
 
 
 @pytest.fixture(scope="session")
 def server() -> Iterator[ServerProcess]:
     """One server for the whole session; tests must clean up the sandboxes they create."""
-    home = prepare_home()
     extra = {"AENV_SANDBOX_MAX_SANDBOXES": "200"}
     # AENV_TEST_RUNTIME=qemu runs the same suites against the qemu (microVM) driver.
     if os.environ.get("AENV_TEST_RUNTIME"):
         extra["AENV_RUNTIME_DRIVER"] = os.environ["AENV_TEST_RUNTIME"]
-    srv = ServerProcess(home=home, extra_env=extra)
-    srv.start(ready_timeout=300)
-    saved = dict(os.environ)
-    os.environ.update(srv.sdk_env())
-    yield srv
-    srv.shutdown()
-    os.environ.clear()
-    os.environ.update(saved)
-    remove_home(home)
+    with sdk_server(extra_env=extra) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="session")

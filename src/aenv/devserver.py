@@ -5,6 +5,7 @@ Not used by the server itself.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -15,7 +16,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Self
@@ -125,18 +126,30 @@ def run_with_server(prefix: str, title: str,
                     body: Callable[[ServerProcess], Iterable[str]]) -> int:
     """Benchmarks' frame: a fresh home and server, the SDK pointed at it, `body`'s lines
     printed as they come, and everything removed afterwards."""
-    home = prepare_home(prefix)
-    server = ServerProcess(home=home)
-    try:
-        server.start()
-        os.environ.update(server.sdk_env())
+    with sdk_server(prefix, ready_timeout=900.0) as server:
         print(title)
         for line in body(server):
             print("  " + line, flush=True)
+    return 0
+
+
+@contextlib.contextmanager
+def sdk_server(prefix: str = "aenv-test-", extra_env: dict[str, str] | None = None,
+               ready_timeout: float = 300.0) -> Iterator[ServerProcess]:
+    """Tests' and benchmarks' frame: a fresh home and a started server with the SDK's environment pointed at
+    it; afterwards its sandboxes, the server, the environment change and the home are undone."""
+    home = prepare_home(prefix)
+    server = ServerProcess(home=home, extra_env=extra_env or {})
+    saved = dict(os.environ)
+    try:
+        server.start(ready_timeout=ready_timeout)
+        os.environ.update(server.sdk_env())
+        yield server
     finally:
         server.shutdown()
+        os.environ.clear()
+        os.environ.update(saved)
         remove_home(home)
-    return 0
 
 
 def layer_cache() -> Path:

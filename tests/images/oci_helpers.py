@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import zstandard
 
 from aenv.devserver import free_port
@@ -402,3 +403,17 @@ class BearerAuthFront:
         req.end_headers()
         if req.command != "HEAD":
             req.wfile.write(body)
+
+
+def busybox_rootfs(*tools: str) -> list[Entry]:
+    """A minimal userland: the host's static busybox (`make install` installs busybox-static),
+    `tools` as links to it, and root in /etc/passwd and /etc/group."""
+    busybox = Path("/bin/busybox")
+    if not busybox.exists():
+        pytest.fail("busybox-static is not installed: run `make install`")
+    return [Entry("bin", "dir", mode=0o755),
+            Entry("bin/busybox", data=busybox.read_bytes(), mode=0o755),
+            *(Entry(f"bin/{tool}", "symlink", link="busybox") for tool in tools),
+            Entry("etc", "dir", mode=0o755),
+            Entry("etc/passwd", data=b"root:x:0:0:root:/root:/bin/sh\n"),
+            Entry("etc/group", data=b"root:x:0:\n")]

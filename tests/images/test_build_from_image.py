@@ -5,47 +5,27 @@ the documented REST shape with plain httpx, then creates a sandbox with the offi
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 from e2b import Sandbox
-from oci_helpers import Entry, Image, Layer, Registry, make_tar
+from oci_helpers import Image, Layer, Registry, busybox_rootfs, make_tar
 
-from aenv.devserver import ServerProcess, prepare_home, remove_home
+from aenv.devserver import ServerProcess, sdk_server
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def image_server(registry: Registry) -> Iterator[ServerProcess]:
-    busybox = Path("/bin/busybox")
-    if not busybox.exists():
-        pytest.fail("busybox-static is not installed: run `make install`")
-    entries = [Entry("bin", "dir", mode=0o755),
-               Entry("bin/busybox", data=busybox.read_bytes(), mode=0o755)]
-    entries += [Entry(f"bin/{tool}", "symlink", link="busybox")
-                for tool in ("sh", "cat", "echo", "id", "env", "pwd", "whoami")]
-    entries += [Entry("etc", "dir", mode=0o755),
-                Entry("etc/passwd", data=b"root:x:0:0:root:/root:/bin/sh\n"),
-                Entry("etc/group", data=b"root:x:0:\n")]
+    entries = busybox_rootfs("sh", "cat", "echo", "id", "env", "pwd", "whoami")
     registry.push_image("aenv/build-busybox", "1",
                         Image([Layer(make_tar(entries), "gzip")], env=["PATH=/bin"]))
-    home = prepare_home("aenv-build-image-")
-    srv = ServerProcess(home=home, extra_env={"AENV_IMAGES_INSECURE_REGISTRIES": registry.host})
-    saved = dict(os.environ)
-    try:
-        srv.start(ready_timeout=300)
-        os.environ.update(srv.sdk_env())
+    with sdk_server("aenv-build-image-",
+                    {"AENV_IMAGES_INSECURE_REGISTRIES": registry.host}) as srv:
         yield srv
-    finally:
-        srv.shutdown()
-        os.environ.clear()
-        os.environ.update(saved)
-        remove_home(home)
 
 
 def test_build_from_image_pulls_it(image_server: ServerProcess, registry: Registry) -> None:

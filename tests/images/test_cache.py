@@ -17,10 +17,10 @@ from pathlib import Path
 import httpx
 import pytest
 from e2b import Sandbox
-from oci_helpers import Entry, Image, Layer, Registry, digest_of, make_tar, random_bytes
+from oci_helpers import Entry, Image, Layer, Registry, busybox_rootfs, digest_of, make_tar, random_bytes
 
 from aenv.config import Config
-from aenv.devserver import ServerProcess, prepare_home, remove_home
+from aenv.devserver import ServerProcess, sdk_server
 from aenv.images.cache import LayerCache
 from aenv.images.layers import layer_id
 from aenv.images.pull import ImagePuller
@@ -32,16 +32,7 @@ NAMES = ("a", "b", "c")
 
 
 def _busybox_layer() -> Layer:
-    busybox = Path("/bin/busybox")
-    if not busybox.exists():
-        pytest.fail("busybox-static is not installed: run `make install`")
-    entries = [Entry("bin", "dir", mode=0o755),
-               Entry("bin/busybox", data=busybox.read_bytes(), mode=0o755),
-               Entry("etc", "dir", mode=0o755),
-               Entry("etc/passwd", data=b"root:x:0:0:root:/root:/bin/sh\n"),
-               Entry("etc/group", data=b"root:x:0:\n")]
-    entries += [Entry(f"bin/{tool}", "symlink", link="busybox")
-                for tool in ("sh", "cat", "ls", "wc", "echo")]
+    entries = busybox_rootfs("sh", "cat", "ls", "wc", "echo")
     return Layer(make_tar(entries), "zstd")
 
 
@@ -123,18 +114,10 @@ def _cli(server: ServerProcess, *args: str) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def cache_server() -> Iterator[ServerProcess]:
     """A server of its own: a 12 MB layer cache and small warm pools (2 shared cores)."""
-    home = prepare_home("aenv-test-cache-")
-    srv = ServerProcess(home=home, extra_env={
-        "AENV_IMAGES_CACHE_BYTES": str(LIMIT), "AENV_RUNTIME_READY_POOL": "0",
-        "AENV_RUNTIME_WARM_POOL": "2", "AENV_RUNTIME_WARM_PROCESSES": "2"})
-    srv.start(ready_timeout=300)
-    saved = dict(os.environ)
-    os.environ.update(srv.sdk_env())
-    yield srv
-    srv.shutdown()
-    os.environ.clear()
-    os.environ.update(saved)
-    remove_home(home)
+    with sdk_server("aenv-test-cache-", {
+            "AENV_IMAGES_CACHE_BYTES": str(LIMIT), "AENV_RUNTIME_READY_POOL": "0",
+            "AENV_RUNTIME_WARM_POOL": "2", "AENV_RUNTIME_WARM_PROCESSES": "2"}) as srv:
+        yield srv
 
 
 def _run(sbx: Sandbox, cmd: str) -> str:

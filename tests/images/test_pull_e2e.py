@@ -17,7 +17,16 @@ from typing import Any
 import httpx
 import pytest
 from e2b import Sandbox
-from oci_helpers import Entry, Image, Layer, Registry, digest_of, make_tar, tar_directory
+from oci_helpers import (
+    Entry,
+    Image,
+    Layer,
+    Registry,
+    busybox_rootfs,
+    digest_of,
+    make_tar,
+    tar_directory,
+)
 
 from aenv.devserver import ServerProcess, base_layer
 from aenv.images.layers import unpack_layer
@@ -47,17 +56,8 @@ def debian_image() -> Image:
 
 @pytest.fixture(scope="module")
 def busybox_image() -> Image:
-    busybox = Path("/bin/busybox")
-    if not busybox.exists():
-        pytest.fail("busybox-static is not installed: run `make install`")
-    entries = [Entry("bin", "dir", mode=0o755),
-               Entry("bin/busybox", data=busybox.read_bytes(), mode=0o755)]
-    entries += [Entry(f"bin/{tool}", "symlink", link="busybox")
-                for tool in ("sh", "ls", "cat", "echo", "id", "env", "pwd", "whoami", "uname")]
-    entries += [Entry("etc", "dir", mode=0o755),
-                Entry("etc/passwd", data=b"root:x:0:0:root:/root:/bin/sh\n"),
-                Entry("etc/group", data=b"root:x:0:\n"),
-                Entry("etc/busybox-release", data=b"tiny\n")]
+    entries = busybox_rootfs("sh", "ls", "cat", "echo", "id", "env", "pwd", "whoami", "uname")
+    entries.append(Entry("etc/busybox-release", data=b"tiny\n"))
     # USER names someone the image lacks: the template falls back to root.
     return Image([Layer(make_tar(entries), "zstd")], env=["PATH=/bin"], user="nobody-here")
 

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 from conftest import CreateFn
-from runtime_helpers import cgroup_read, http, new_id, run, spec_for
+from runtime_helpers import cgroup_read, spec_for
+from sandbox_helpers import http, new_id, run
 
 from aenv.config import Config
 from aenv.errors import AenvError, ErrorCode

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from runtime_helpers import new_id, run
+from sandbox_helpers import new_id, run
 
 from aenv.config import Config, load_config
 from aenv.runtime.base import SandboxSpec

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 from conftest import make_config
-from runtime_helpers import cgroup_read, http, run, spec_for
+from runtime_helpers import cgroup_read, spec_for
+from sandbox_helpers import http, run
 
 from aenv.runtime.base import ReadyShape, RuntimeHandle
 from aenv.runtime.container.driver import ContainerDriver
@@ -198,7 +199,7 @@ async def test_close_removes_unclaimed_and_claimed_survive_a_restart(
 _ORPHAN_SCRIPT = """
 import asyncio, json, sys
 from pathlib import Path
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{tests!r}, str(Path({tests!r}).parent)]  # conftest, then sandbox_helpers
 from conftest import make_config
 from aenv.runtime.base import ReadyShape
 from aenv.runtime.container.driver import ContainerDriver

@@ -1,96 +1,26 @@
-"""Helpers for the qemu runtime suite: run commands through envd in a guest over the socket
-the driver's `connect()` returns (raw HTTP/1.1, Connect JSON framing)."""
+"""Helpers for the qemu runtime suite: its sandbox defaults (512 MiB, no internet, envd token
+`token-<id>`) and a longer command timeout for guests under TCG. Talking to envd is in
+tests/sandbox_helpers.py, shared with the container suite."""
 
 from __future__ import annotations
 
-import asyncio
-import base64
-import json
-import secrets
-import string
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import sandbox_helpers
+from sandbox_helpers import Result, new_id
+
 from aenv.runtime.base import RuntimeDriver, RuntimeHandle, SandboxSpec
-
-
-def new_id() -> str:
-    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(20))
-
-
-@dataclass
-class Result:
-    exit_code: int
-    stdout: str
-    stderr: str
-
-
-async def http(driver: RuntimeDriver, handle: RuntimeHandle, method: str, path: str,
-               body: bytes = b"", headers: dict[str, str] | None = None, port: int = 49983,
-               timeout: float = 60) -> tuple[int, bytes]:
-    sock = await driver.connect(handle, port)
-    reader, writer = await asyncio.open_connection(sock=sock)
-    try:
-        head = [f"{method} {path} HTTP/1.1", "Host: sandbox", "Connection: close",
-                f"Content-Length: {len(body)}"]
-        head += [f"{k}: {v}" for k, v in (headers or {}).items()]
-        writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + body)
-        await writer.drain()
-        raw = await asyncio.wait_for(reader.read(), timeout)
-    finally:
-        writer.close()
-    header_blob, _, rest = raw.partition(b"\r\n\r\n")
-    lines = header_blob.decode("latin-1").split("\r\n")
-    status = int(lines[0].split()[1])
-    if "transfer-encoding: chunked" in header_blob.decode("latin-1").lower():
-        out = b""
-        while rest:
-            size_line, _, rest = rest.partition(b"\r\n")
-            size = int(size_line.split(b";")[0], 16)
-            if size == 0:
-                break
-            out += rest[:size]
-            rest = rest[size + 2:]
-        rest = out
-    return status, rest
 
 
 async def run(driver: RuntimeDriver, handle: RuntimeHandle, cmd: str, token: str | None = None,
               user: str = "root", timeout: float = 120) -> Result:
     """`bash -c cmd` through envd's process service, waited for."""
-    message = json.dumps({"process": {"cmd": "/bin/bash", "args": ["-c", cmd]},
-                          "stdin": False}).encode()
-    frame = bytes([0]) + len(message).to_bytes(4, "big") + message
-    auth = base64.b64encode(f"{user}:".encode()).decode()
-    status, body = await http(driver, handle, "POST", "/process.Process/Start", frame, {
-        "Content-Type": "application/connect+json", "Connect-Protocol-Version": "1",
-        "Authorization": f"Basic {auth}", "Connect-Timeout-Ms": str(int(timeout * 1000)),
-        **({"X-Access-Token": token} if token else {}),
-    }, timeout=timeout + 10)
-    assert status == 200, (status, body[:500])
-    out, err, code = b"", b"", None
-    while body:
-        length = int.from_bytes(body[1:5], "big")
-        msg = json.loads(body[5:5 + length])
-        body = body[5 + length:]
-        event = msg.get("event", {})
-        if "data" in event:
-            out += base64.b64decode(event["data"].get("stdout", ""))
-            err += base64.b64decode(event["data"].get("stderr", ""))
-        if "end" in event:
-            code = int(event["end"].get("exitCode", 0))
-        if "error" in msg:
-            raise AssertionError(f"envd error: {msg['error']}")
-    assert code is not None, "process did not end"
-    return Result(code, out.decode(errors="replace"), err.decode(errors="replace"))
+    return await sandbox_helpers.run(driver, handle, cmd, user=user, timeout=timeout, token=token)
 
 
 def spec_for(home: Path, rootfs: Path, **overrides: Any) -> SandboxSpec:
     sid = overrides.pop("sandbox_id", None) or new_id()
-    fields: dict[str, Any] = {
-        "sandbox_id": sid, "lower_layers": (rootfs,), "workspace": home / "sandboxes" / sid,
-        "cpu_count": 1, "memory_mb": 512, "pids_max": 1024, "default_user": "root",
-        "envd_access_token": f"token-{sid}", "allow_internet_access": False}
-    fields.update(overrides)
-    return SandboxSpec(**fields)
+    return sandbox_helpers.spec_for(home, rootfs, **{
+        "sandbox_id": sid, "memory_mb": 512, "pids_max": 1024, "envd_access_token": f"token-{sid}",
+        "allow_internet_access": False, **overrides})

@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 import zstandard
 
-from aenv.devserver import ServerProcess, base_layer, free_port, prepare_home, remove_home
+from aenv.devserver import ServerProcess, base_layer, free_port, prepare_home, remove_home, sdk_server
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 ZSTD_LAYER = "application/vnd.oci.image.layer.v1.tar+zstd"
@@ -98,12 +98,7 @@ def _pull_and_start(extra_env: dict[str, str], image: str, lazy_layer: str | Non
     """(pull seconds, pull-to-ready seconds, note) on a fresh node."""
     from e2b import Sandbox
 
-    home = prepare_home("aenv-bench-image-")
-    server = ServerProcess(home=home, extra_env={**SMALL_POOLS, **extra_env})
-    saved = dict(os.environ)
-    try:
-        server.start(ready_timeout=300)
-        os.environ.update(server.sdk_env())
+    with sdk_server("aenv-bench-image-", {**SMALL_POOLS, **extra_env}) as server:
         env = {**os.environ, "AENV_URL": server.url, "AENV_API_KEY": server.api_key}
         t0 = time.perf_counter()
         subprocess.run([sys.executable, "-m", "aenv.cli.main", "pull", image, "--insecure",
@@ -115,16 +110,11 @@ def _pull_and_start(extra_env: dict[str, str], image: str, lazy_layer: str | Non
         assert out.startswith("PRETTY_NAME"), out
         note = ""
         if lazy_layer is not None:
-            stats = json.loads((home / "cache/lazy" / lazy_layer / "stats.json").read_text())
+            stats = json.loads((server.home / "cache/lazy" / lazy_layer / "stats.json").read_text())
             note = (f"; {stats['fetched_bytes'] / 1e6:.1f} of {stats['total_bytes'] / 1e6:.0f} "
                     "MB of the big layer fetched")
         sbx.kill()
         return pulled, ready, note
-    finally:
-        server.shutdown()
-        os.environ.clear()
-        os.environ.update(saved)
-        remove_home(home)
 
 
 def _convert(image: str, repo_dir: Path, bottom: str) -> float:

@@ -132,7 +132,7 @@ class Bench:
             spent = cpu_ms(_BENCH_CGROUP) - before
             # A claimed pool sandbox started envd before the burst: count from its claim.
             spent += sum(cpu_ms(Path("/sys/fs/cgroup/cpuacct/aenv") / h.sandbox_id)
-                         - (self.driver._live[h.sandbox_id].cpu_ns or 0) / 1e6
+                         - (self.driver._live[h.sandbox_id].cpu_used or 0) / 1e6
                          for h, _, _ in results)
             cpu.append(spent / size)
             if self.verbose:

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import socket
 import ssl
-import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -21,6 +19,7 @@ from urllib.parse import urlencode
 
 import httpcore
 
+from aenv.connect_frames import Frames, envelope
 from aenv.errors import AenvError, ErrorCode
 
 OpenPort = Callable[[str, int], Awaitable[socket.socket]]
@@ -66,11 +65,6 @@ class _SandboxBackend(httpcore.AsyncNetworkBackend):
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
-
-
-def _envelope(message: dict[str, Any]) -> bytes:
-    payload = json.dumps(message).encode()
-    return struct.pack(">BI", 0, len(payload)) + payload
 
 
 class _Lines:
@@ -121,7 +115,7 @@ class SandboxEnvd:
         headers = self._headers(user, "application/connect+json")
         if timeout_s is not None:
             headers.append(("Connect-Timeout-Ms", str(int(timeout_s * 1000))))
-        body = _envelope({"process": process, "stdin": False})
+        body = envelope({"process": process, "stdin": False})
         try:
             async with self.pool.stream("POST", self.base + "/process.Process/Start",
                                         headers=headers, content=body) as resp:
@@ -129,16 +123,10 @@ class SandboxEnvd:
                     raw = b"".join([chunk async for chunk in resp.aiter_stream()])
                     raise AenvError(ErrorCode.INTERNAL, f"envd answered {resp.status}: "
                                     f"{raw[:300].decode(errors='replace')}")
-                buf = b""
+                frames = Frames()
                 async for chunk in resp.aiter_stream():
-                    buf += chunk
-                    while len(buf) >= 5:
-                        flags, size = struct.unpack(">BI", buf[:5])
-                        if len(buf) < 5 + size:
-                            break
-                        payload, buf = buf[5:5 + size], buf[5 + size:]
-                        msg = json.loads(payload) if payload else {}
-                        if flags & 0x02:
+                    for end, msg in frames.feed(chunk):
+                        if end:
                             error = msg.get("error")
                             if error:
                                 raise AenvError(ErrorCode.INVALID_ARGUMENT if error.get("code") in

@@ -5,13 +5,14 @@ from __future__ import annotations
 import base64
 import json
 import os
-import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from aenv.connect_frames import Frames, envelope
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
@@ -45,11 +46,6 @@ class ApiError(Exception):
         super().__init__(f"{status}: {message}")
         self.status = status
         self.message = message
-
-
-def _envelope(message: dict[str, Any]) -> bytes:
-    payload = json.dumps(message).encode()
-    return struct.pack(">BI", 0, len(payload)) + payload
 
 
 @dataclass
@@ -138,19 +134,13 @@ class Client:
         if timeout_ms:
             headers["Connect-Timeout-Ms"] = str(timeout_ms)
         with httpx.Client(base_url=self.url, timeout=None) as http, \
-                http.stream("POST", f"/{method}", content=_envelope(message), headers=headers) as resp:
+                http.stream("POST", f"/{method}", content=envelope(message), headers=headers) as resp:
                 if resp.status_code != 200:
                     raise ApiError(resp.status_code, resp.read().decode(errors="replace"))
-                buf = b""
+                frames = Frames()
                 for chunk in resp.iter_bytes():
-                    buf += chunk
-                    while len(buf) >= 5:
-                        flags, size = struct.unpack(">BI", buf[:5])
-                        if len(buf) < 5 + size:
-                            break
-                        payload, buf = buf[5:5 + size], buf[5 + size:]
-                        msg = json.loads(payload) if payload else {}
-                        if flags & 0x02:
+                    for end, msg in frames.feed(chunk):
+                        if end:
                             if msg.get("error"):
                                 err = msg["error"]
                                 raise ApiError(0, f"{err.get('code')}: {err.get('message')}")

@@ -14,7 +14,7 @@ from typing import Any
 
 from aenv.cli.build import cmd_build
 from aenv.cli.client import ApiError, Client, save_credentials
-from aenv.cli.output import emit
+from aenv.cli.output import each_target, emit
 from aenv.cli.pull import cmd_cache, cmd_pull, cmd_template
 
 SANDBOX_COLUMNS = ("sandboxID", "templateID", "state", "startedAt", "endAt", "cpuCount",
@@ -128,15 +128,8 @@ def cmd_ls(args: argparse.Namespace, client: Client) -> int:
 
 
 def cmd_rm(args: argparse.Namespace, client: Client) -> int:
-    failed = 0
-    for sandbox_id in args.sandbox_ids:
-        try:
-            client.call("DELETE", f"/sandboxes/{sandbox_id}")
-            print(sandbox_id)
-        except ApiError as exc:
-            print(f"aenv: {sandbox_id}: {exc.message}", file=sys.stderr)
-            failed += 1
-    return 1 if failed else 0
+    return each_target(args.sandbox_ids,
+                       lambda sandbox_id: client.call("DELETE", f"/sandboxes/{sandbox_id}"))
 
 
 def cmd_timeout(args: argparse.Namespace, client: Client) -> int:

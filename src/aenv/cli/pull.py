@@ -14,7 +14,7 @@ import time
 from typing import Any, TextIO
 
 from aenv.cli.client import ApiError, Client
-from aenv.cli.output import emit
+from aenv.cli.output import each_target, emit
 
 TEMPLATE_COLUMNS = ("templateID", "names", "kind", "sourceImage", "defaultUser", "createdAt")
 _ACTIVE = {"downloading": "downloading", "verifying": "verifying", "extracting": "extracting"}
@@ -111,20 +111,16 @@ def cmd_template(args: argparse.Namespace, client: Client) -> int:
         return 0
     if not args.targets:
         raise ApiError(0, "template rm needs template ids or names")
-    failed = 0
-    for target in args.targets:
+
+    def delete(target: str) -> None:
         # Names may contain '/' (image references): delete by id, found by id or name.
         match = next((r for r in rows if r["templateID"] == target or target in r.get("names", [])),
                      None)
-        try:
-            if match is None:
-                raise ApiError(404, f"template '{target}' not found")
-            client.call("DELETE", f"/templates/{match['templateID']}")
-            print(target)
-        except ApiError as exc:
-            print(f"aenv: {target}: {exc.message}", file=sys.stderr)
-            failed += 1
-    return 1 if failed else 0
+        if match is None:
+            raise ApiError(404, f"template '{target}' not found")
+        client.call("DELETE", f"/templates/{match['templateID']}")
+
+    return each_target(args.targets, delete)
 
 
 CACHE_COLUMNS = ("layer", "bytes", "lastUsed", "inUse", "source")

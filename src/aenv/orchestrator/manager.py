@@ -14,6 +14,7 @@ import json
 import logging
 import shutil
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
@@ -349,30 +350,41 @@ class SandboxManager:
             if not isinstance(driver, PausableDriver):
                 raise AenvError(ErrorCode.NOT_SUPPORTED,
                                 f"pause is not supported by the {rec.runtime} runtime yet")
+            t0 = time.monotonic()
             self._commit(replace(rec, state=SandboxState.PAUSING))
             self._stopped_serving(sandbox_id)
+            t1 = time.monotonic()
             try:
                 handle = await driver.pause(self._handle(rec))
             except BaseException:
                 # A failed checkpoint leaves the sandbox running (CRIU resumes it).
                 self._commit(rec)
                 raise
+            t2 = time.monotonic()
             self._commit(replace(rec, state=SandboxState.PAUSED, handle=handle.data))
+            log.info("sandbox %s paused in %.1f ms (runtime %.1f ms)", sandbox_id,
+                     (time.monotonic() - t0) * 1e3, (t2 - t1) * 1e3)
 
     async def _resume_locked(self, rec: SandboxRecord, timeout_s: int) -> SandboxRecord:
         driver = self._driver(rec)
         if not isinstance(driver, PausableDriver):
             raise AenvError(ErrorCode.NOT_SUPPORTED,
                             f"resume is not supported by the {rec.runtime} runtime yet")
+        t0 = time.monotonic()
         spec = self._spec(rec, self.find_template(rec.template_id))
         self._commit(replace(rec, state=SandboxState.RESUMING))
+        t1 = time.monotonic()
         try:
             handle = await driver.resume(self._handle(rec), spec)
         except BaseException:
             self._commit(rec)  # still paused: its image is intact
             raise
-        return self._commit(replace(rec, state=SandboxState.RUNNING, handle=handle.data,
-                                    end_at=utcnow() + timedelta(seconds=timeout_s)))
+        t2 = time.monotonic()
+        rec = self._commit(replace(rec, state=SandboxState.RUNNING, handle=handle.data,
+                                   end_at=utcnow() + timedelta(seconds=timeout_s)))
+        log.info("sandbox %s resumed in %.1f ms (runtime %.1f ms)", rec.sandbox_id,
+                 (time.monotonic() - t0) * 1e3, (t2 - t1) * 1e3)
+        return rec
 
     # ---------------------------------------------------------------- snapshots and forks
 

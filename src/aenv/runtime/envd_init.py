@@ -14,6 +14,17 @@ import socket
 from typing import Any
 
 from aenv.errors import AenvError, ErrorCode
+from aenv.runtime.base import SandboxSpec
+
+
+def init_body(spec: SandboxSpec) -> dict[str, Any]:
+    """The /init body that gives a sandbox `spec`'s identity."""
+    body: dict[str, Any] = {"accessToken": spec.envd_access_token,
+                            "envVars": dict(spec.env_vars),
+                            "defaultUser": spec.default_user}
+    if spec.default_workdir:
+        body["defaultWorkdir"] = spec.default_workdir
+    return body
 
 
 async def post_init(sock: socket.socket, token: str, body: dict[str, Any],

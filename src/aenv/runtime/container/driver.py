@@ -56,23 +56,12 @@ from aenv.runtime import pybundle
 from aenv.runtime.base import ReadyShape, ResourceUsage, RuntimeHandle, SandboxSpec
 from aenv.runtime.container import cgroups, checkpoint, layers, linux, zygote
 from aenv.runtime.container.network import NetworkPool
-from aenv.runtime.envd_init import post_init
+from aenv.runtime.envd_init import init_body, post_init
+from aenv.runtime.process import LiveProcess, kill_and_wait
 
 _ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")  # a hostname label and a path component
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
 _POOL_PREFIX = "pool-"
 _pool_numbers = itertools.count(1)  # process-wide: several drivers may share a process
-
-
-@dataclass
-class _Live:
-    """What the driver remembers about a sandbox while the server runs (rebuilt on attach)."""
-
-    pid: int
-    start_time: int
-    netns_fd: int | None = None
-    cpu_ns: int | None = None
-    cpu_at: float = 0.0
 
 
 @dataclass
@@ -194,7 +183,7 @@ class ContainerDriver:
         self.pool_dir = self.state_dir / "pool"  # workspaces of unclaimed pool sandboxes
         self._zygote: _Zygote | None = None
         self._zygote_lock = asyncio.Lock()
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, LiveProcess] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._creating: set[str] = set()
         self._host_netns = -1
@@ -293,8 +282,7 @@ class ContainerDriver:
             await self.network.close()
             self._network_started = False
         for live in self._live.values():
-            if live.netns_fd is not None:
-                os.close(live.netns_fd)
+            live.close_netns()
         self._live.clear()
         if self._host_netns >= 0:
             os.close(self._host_netns)
@@ -452,7 +440,7 @@ class ContainerDriver:
                             f"sandbox {spec.sandbox_id} failed to start: {reply.get('error')}")
         data["pid"] = int(reply["pid"])
         data["start_time"] = int(reply["start_time"])
-        self._live[spec.sandbox_id] = _Live(data["pid"], data["start_time"], cpu_ns=0,
+        self._live[spec.sandbox_id] = LiveProcess(data["pid"], data["start_time"], cpu_used=0,
                                             cpu_at=time.monotonic())
         if timings:
             self.last_timings = {"slot": t_slot, "total": time.monotonic() - t0,
@@ -559,8 +547,8 @@ class ContainerDriver:
         t0 = time.monotonic()
         name, sid = ready.handle.sandbox_id, spec.sandbox_id
         data = dict(ready.handle.data)
-        live = self._live.pop(name, None) or _Live(int(data["pid"]), int(data["start_time"]))
-        live.cpu_ns, live.cpu_at = ready.cpu_ns, t0
+        live = self._live.pop(name, None) or LiveProcess(int(data["pid"]), int(data["start_time"]))
+        live.cpu_used, live.cpu_at = ready.cpu_ns, t0
         try:
             # Inline, not in a thread: ~1 ms of syscalls, and a thread hop per claim costs
             # more CPU than it saves under a burst.
@@ -568,12 +556,7 @@ class ContainerDriver:
             t_host = time.monotonic() - t0
             self._live[sid] = live
             handle = RuntimeHandle(driver=self.name, sandbox_id=sid, data=data)
-            body: dict[str, Any] = {"accessToken": spec.envd_access_token,
-                                    "envVars": dict(spec.env_vars),
-                                    "defaultUser": spec.default_user}
-            if spec.default_workdir:
-                body["defaultWorkdir"] = spec.default_workdir
-            await self._init_envd(handle, ready.token, body)
+            await self._init_envd(handle, ready.token, init_body(spec))
         except BaseException as exc:
             self._background(self._discard_claim(name, sid, data))
             if isinstance(exc, AenvError | OSError):
@@ -584,10 +567,10 @@ class ContainerDriver:
         return handle
 
     def _claim_host(self, name: str, shape: ReadyShape, spec: SandboxSpec,
-                    data: dict[str, Any], live: _Live) -> None:
+                    data: dict[str, Any], live: LiveProcess) -> None:
         """The host side of a claim: cgroups, workspace, hostname, /etc. Blocking (about a
         millisecond). Updates `data["workspace"]` once the workspace has moved."""
-        if not self._alive(live):
+        if not live.alive():
             raise AenvError(ErrorCode.UNAVAILABLE, f"pool sandbox {name} is gone")
         sid = spec.sandbox_id
         root, parent = str(self.cgroups.root), self.cgroups.parent
@@ -611,13 +594,13 @@ class ContainerDriver:
             pass  # another filesystem, or something is there: it stays in the pool dir
         self._set_identity(sid, live, data)
 
-    def _set_identity(self, sid: str, live: _Live, data: dict[str, Any]) -> None:
+    def _set_identity(self, sid: str, live: LiveProcess, data: dict[str, Any]) -> None:
         """Hostname and /etc/hostname, /etc/hosts of a sandbox that was made under another
         name (a pool sandbox, or a copy restored from another sandbox's image)."""
         # Hostname: the sandbox's UTS namespace, for this thread only, and back.
         fd = os.open(f"/proc/{live.pid}/ns/uts", os.O_RDONLY | os.O_CLOEXEC)
         try:
-            if not self._alive(live):  # checked after opening: the fd is surely its
+            if not live.alive():  # checked after opening: the fd is surely its
                 raise AenvError(ErrorCode.UNAVAILABLE, f"sandbox {sid} is gone")
             linux.setns(fd, linux.CLONE_NEWUTS)
             try:
@@ -712,22 +695,19 @@ class ContainerDriver:
         with contextlib.suppress(AenvError):
             await self._cleanup(sandbox_id, data, int(pid) if pid else None)
 
-    def _live_of(self, handle: RuntimeHandle) -> _Live:
+    def _live_of(self, handle: RuntimeHandle) -> LiveProcess:
         live = self._live.get(handle.sandbox_id)
         if live is None:
             try:
-                live = _Live(int(handle.data["pid"]), int(handle.data["start_time"]))
+                live = LiveProcess(int(handle.data["pid"]), int(handle.data["start_time"]))
             except (KeyError, TypeError, ValueError):
                 raise AenvError(ErrorCode.INVALID_ARGUMENT, "not a container handle") from None
             self._live[handle.sandbox_id] = live
         return live
 
-    def _alive(self, live: _Live) -> bool:
-        return linux.proc_start_time(live.pid) == live.start_time
-
     async def attach(self, handle: RuntimeHandle) -> bool:
         live = self._live_of(handle)
-        if not self._alive(live):
+        if not live.alive():
             return False
         slot = handle.data.get("slot")
         if slot:
@@ -735,7 +715,7 @@ class ContainerDriver:
             self.network.claim(slot)
         return True
 
-    def _netns_fd(self, handle: RuntimeHandle, live: _Live) -> int:
+    def _netns_fd(self, handle: RuntimeHandle, live: LiveProcess) -> int:
         if live.netns_fd is None:
             try:
                 fd = os.open(f"/proc/{live.pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
@@ -743,7 +723,7 @@ class ContainerDriver:
                 fd = -1
             # Checked after opening: the fd then surely belongs to our process, not to a
             # newer one that reused the pid.
-            if fd < 0 or not self._alive(live):
+            if fd < 0 or not live.alive():
                 if fd >= 0:
                     os.close(fd)
                 raise AenvError(ErrorCode.UNAVAILABLE,
@@ -753,45 +733,18 @@ class ContainerDriver:
 
     async def connect(self, handle: RuntimeHandle, port: int) -> socket.socket:
         live = self._live_of(handle)
-        nsfd = self._netns_fd(handle, live)
-        # The network namespace of a socket is fixed when it is created, and setns() only
-        # affects the calling thread: switch, create, switch back, with no await in between.
-        linux.setns(nsfd, linux.CLONE_NEWNET)
-        try:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        finally:
-            linux.setns(self._host_netns, linux.CLONE_NEWNET)
-        sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            await asyncio.wait_for(asyncio.get_running_loop().sock_connect(
-                sock, ("127.0.0.1", port)), 10)
-        except (OSError, TimeoutError) as exc:
-            sock.close()
-            if not self._alive(live):
-                raise AenvError(ErrorCode.UNAVAILABLE,
-                                f"sandbox {handle.sandbox_id} is not running") from None
-            raise AenvError(ErrorCode.PORT_CLOSED,
-                            f"nothing listens on port {port} in sandbox {handle.sandbox_id}: "
-                            f"{exc}") from None
-        return sock
+        self._netns_fd(handle, live)  # opened once, checked to be this sandbox's
+        return await live.connect(handle.sandbox_id, self._host_netns, "127.0.0.1", port, 10)
 
     async def stats(self, handle: RuntimeHandle) -> ResourceUsage:
         live = self._live_of(handle)
-        if not self._alive(live):
+        if not live.alive():
             raise AenvError(ErrorCode.NOT_FOUND, f"sandbox {handle.sandbox_id} is not running")
         try:
             sample = cgroups.sample(self.cgroups, handle.sandbox_id)
         except OSError as exc:
             raise AenvError(ErrorCode.NOT_FOUND, f"sandbox {handle.sandbox_id}: {exc}") from None
-        now = time.monotonic()
-        if live.cpu_ns is None:
-            # First sample after a restart: average since the sandbox started.
-            live.cpu_ns = 0
-            live.cpu_at = now - max(_uptime() - live.start_time / _CLK_TCK, 1e-3)
-        elapsed = max(now - live.cpu_at, 1e-6)
-        cpu_pct = max(sample.cpu_ns - live.cpu_ns, 0) / 1e9 / elapsed * 100.0
-        live.cpu_ns, live.cpu_at = sample.cpu_ns, now
+        cpu_pct = live.cpu_percent(sample.cpu_ns, 1e9)
         upper = Path(handle.data.get("workspace", "")) / "upper"
         disk = await asyncio.to_thread(_disk_usage, upper)
         return ResourceUsage(
@@ -810,7 +763,7 @@ class ContainerDriver:
         slot goes back to the pool; the resume takes a fresh one."""
         sid = handle.sandbox_id
         live = self._live_of(handle)
-        if not self._alive(live):
+        if not live.alive():
             raise AenvError(ErrorCode.UNAVAILABLE, f"sandbox {sid} is not running")
         data = dict(handle.data)
         images = Path(data["workspace"]) / "checkpoints" / f"pause-{time.time_ns()}"
@@ -820,8 +773,7 @@ class ContainerDriver:
                                       external_netns=bool(data.get("slot")))
         self.last_timings = {"frozen": stats.frozen_s, "total": stats.total_s}
         self._live.pop(sid, None)
-        if live.netns_fd is not None:
-            os.close(live.netns_fd)
+        live.close_netns()
         if data.get("slot"):
             await self._ensure_network()
             await self.network.release(str(data["slot"]))
@@ -849,7 +801,7 @@ class ContainerDriver:
                 await self.network.release(slot.name)
             raise
         self.last_timings = dict(result.timings)
-        self._live[sid] = _Live(result.pid, result.start_time, cpu_ns=0, cpu_at=time.monotonic())
+        self._live[sid] = LiveProcess(result.pid, result.start_time, cpu_used=0, cpu_at=time.monotonic())
         data.update(pid=result.pid, start_time=result.start_time, images=None,
                     bundle_version=result.bundle_version,
                     slot=slot.name if slot else None, address=slot.address if slot else None)
@@ -862,7 +814,7 @@ class ContainerDriver:
         writable layer taken while frozen); the sandbox keeps running. Returns timings."""
         sid = handle.sandbox_id
         live = self._live_of(handle)
-        if not self._alive(live):
+        if not live.alive():
             raise AenvError(ErrorCode.UNAVAILABLE, f"sandbox {sid} is not running")
         stats = await checkpoint.dump(
             live.pid, images, freezer=self.cgroups.path("freezer", sid), leave_running=True,
@@ -903,16 +855,11 @@ class ContainerDriver:
                 netns=slot.path if slot else None, bundle=self.bundle)
             data.update(pid=result.pid, start_time=result.start_time,
                         bundle_version=result.bundle_version)
-            live = _Live(result.pid, result.start_time, cpu_ns=0, cpu_at=time.monotonic())
+            live = LiveProcess(result.pid, result.start_time, cpu_used=0, cpu_at=time.monotonic())
             self._live[sid] = live
             self._set_identity(sid, live, data)
             handle = RuntimeHandle(self.name, sid, data)
-            body: dict[str, Any] = {"accessToken": spec.envd_access_token,
-                                    "envVars": dict(spec.env_vars),
-                                    "defaultUser": spec.default_user}
-            if spec.default_workdir:
-                body["defaultWorkdir"] = spec.default_workdir
-            await self._init_envd(handle, image_token or "", body)
+            await self._init_envd(handle, image_token or "", init_body(spec))
         except BaseException:
             await self._cleanup(sid, data, data.get("pid"), data.get("start_time"))
             raise
@@ -940,10 +887,12 @@ class ContainerDriver:
     async def _cleanup(self, sandbox_id: str, data: dict[str, Any], pid: int | None,
                        start_time: int | None = None) -> None:
         live = self._live.pop(sandbox_id, None)
-        if live is not None and live.netns_fd is not None:
-            os.close(live.netns_fd)
+        if live is not None:
+            live.close_netns()
         if pid is not None:
-            await _kill_and_wait(pid, start_time)
+            # The kernel then kills the init's whole pid namespace; the fork-server (or the
+            # host's init) reaps it.
+            await kill_and_wait(pid, start_time, "sandbox init")
         # Anything left in the sandbox's cgroup (a half-made sandbox, an escaped process).
         await self._kill_cgroup(sandbox_id)
         try:
@@ -973,28 +922,6 @@ class ContainerDriver:
                                 f"sandbox {sandbox_id}: processes {pids} do not die")
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.05)
-
-
-async def _kill_and_wait(pid: int, start_time: int | None, timeout: float = 10.0) -> None:
-    """SIGKILL a sandbox's init (the kernel then kills its whole pid namespace) and wait until
-    it is gone. The fork-server (or the host's init) reaps it; we only watch /proc."""
-    current = linux.proc_start_time(pid)
-    if current is None or (start_time is not None and current != start_time):
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + timeout
-    delay = 0.001
-    while linux.proc_start_time(pid) == current:
-        if time.monotonic() > deadline:
-            raise AenvError(ErrorCode.INTERNAL, f"sandbox init {pid} did not die")
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 0.05)
-
-
-def _uptime() -> float:
-    with open("/proc/uptime") as f:
-        return float(f.read().split()[0])
 
 
 def _disk_usage(root: Path) -> int:

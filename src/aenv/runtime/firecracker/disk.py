@@ -12,6 +12,7 @@ import contextlib
 import errno
 import fcntl
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 FICLONE = 0x40049409  # _IOW(0x94, 9, int)
@@ -52,24 +53,15 @@ def _copy_range(src: int, dst: int, offset: int, length: int) -> None:
         length -= n
 
 
-def clone_file(src: Path, dst: Path) -> bool:
-    """Copy `src` to `dst` (created, mode 0600): a reflink (FICLONE) when the filesystem can
-    share extents, else a copy of its data regions that keeps holes as holes. True if it was
-    a reflink."""
+@contextlib.contextmanager
+def _copying(src: Path, dst: Path, dst_flags: int) -> Iterator[tuple[int, int]]:
+    """(source fd, destination fd) for a copy from `src` into `dst` (opened write-only with
+    `dst_flags`, mode 0600 if created); `dst` is removed if the copy fails."""
     sfd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        dfd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        dfd = os.open(dst, os.O_WRONLY | os.O_CLOEXEC | dst_flags, 0o600)
         try:
-            try:
-                fcntl.ioctl(dfd, FICLONE, sfd)
-                return True
-            except OSError:
-                pass
-            size = os.fstat(sfd).st_size
-            for offset, length in _data_ranges(sfd, size):
-                _copy_range(sfd, dfd, offset, length)
-            os.ftruncate(dfd, size)
-            return False
+            yield sfd, dfd
         finally:
             os.close(dfd)
     except BaseException:
@@ -78,6 +70,29 @@ def clone_file(src: Path, dst: Path) -> bool:
         raise
     finally:
         os.close(sfd)
+
+
+def _copy_data(sfd: int, dfd: int) -> int:
+    """Copy each data region of `sfd` to the same offset in `dfd` (holes stay holes); returns
+    the source's size."""
+    size = os.fstat(sfd).st_size
+    for offset, length in _data_ranges(sfd, size):
+        _copy_range(sfd, dfd, offset, length)
+    return size
+
+
+def clone_file(src: Path, dst: Path) -> bool:
+    """Copy `src` to `dst` (created, mode 0600): a reflink (FICLONE) when the filesystem can
+    share extents, else a copy of its data regions that keeps holes as holes. True if it was
+    a reflink."""
+    with _copying(src, dst, os.O_CREAT | os.O_TRUNC) as (sfd, dfd):
+        try:
+            fcntl.ioctl(dfd, FICLONE, sfd)
+            return True
+        except OSError:
+            pass
+        os.ftruncate(dfd, _copy_data(sfd, dfd))
+        return False
 
 
 def merge_diff(base: Path, diff: Path, dst: Path) -> None:
@@ -85,23 +100,10 @@ def merge_diff(base: Path, diff: Path, dst: Path) -> None:
     Diff snapshot taken since (`diff`: a sparse file holding only the dirtied pages at their
     offsets), as Firecracker's documentation prescribes: the diff's data copied over the base."""
     clone_file(base, dst)
-    sfd = os.open(diff, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        dfd = os.open(dst, os.O_WRONLY | os.O_CLOEXEC)
-        try:
-            size = os.fstat(sfd).st_size
-            for offset, length in _data_ranges(sfd, size):
-                _copy_range(sfd, dfd, offset, length)
-            if os.fstat(dfd).st_size < size:
-                os.ftruncate(dfd, size)
-        finally:
-            os.close(dfd)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(dst)
-        raise
-    finally:
-        os.close(sfd)
+    with _copying(diff, dst, 0) as (sfd, dfd):
+        size = _copy_data(sfd, dfd)
+        if os.fstat(dfd).st_size < size:
+            os.ftruncate(dfd, size)
 
 
 def link_or_clone(src: Path, dst: Path) -> None:

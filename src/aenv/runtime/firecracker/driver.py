@@ -66,6 +66,7 @@ from aenv.config import Config
 from aenv.errors import AenvError, ErrorCode
 from aenv.runtime.base import ResourceUsage, RuntimeHandle, SandboxSpec
 from aenv.runtime.container.network import NetworkPool
+from aenv.runtime.envd_init import init_body
 from aenv.runtime.firecracker import api, disk, process
 from aenv.runtime.firecracker import probe as probe_mod
 from aenv.runtime.firecracker.network import (
@@ -77,13 +78,13 @@ from aenv.runtime.firecracker.network import (
     VmNet,
     VmNetworks,
 )
+from aenv.runtime.process import CLK_TCK, uptime
 
 ROOTFS = "rootfs.ext4"  # relative to the workspace (= Firecracker's cwd)
 MEMORY = "memory"
 VMSTATE = "vmstate"
 IMAGE_META = "firecracker.json"
 DIFF_BASE = "diff-base.json"
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
 _HOSTNAME_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 
 ProbeFn = Callable[[Config], Awaitable[probe_mod.Availability]]
@@ -235,7 +236,7 @@ class FirecrackerDriver:
             await self._run_calls(spec.sandbox_id, data, self.boot_calls(spec))
             _write_diff_base(spec.workspace, "boot")
             await self._wait_envd(handle)
-            await self._init_envd(handle, "", self._init_body(spec))
+            await self._init_envd(handle, "", init_body(spec))
         except BaseException:
             await self._cleanup(spec.sandbox_id, data)
             raise
@@ -256,7 +257,7 @@ class FirecrackerDriver:
             if not self._alive(data):
                 raise AenvError(ErrorCode.UNAVAILABLE,
                                 f"sandbox {handle.sandbox_id} is not running") from None
-            raise AenvError(ErrorCode.UNAVAILABLE,
+            raise AenvError(ErrorCode.PORT_CLOSED,
                             f"nothing listens on port {port} in sandbox {handle.sandbox_id}: "
                             f"{exc}") from None
 
@@ -269,10 +270,10 @@ class FirecrackerDriver:
         now = time.monotonic()
         prev = self._cpu.get(sid)
         if prev is None:
-            elapsed = max(_uptime() - int(data["start_time"] or 0) / _CLK_TCK, 1e-3)
-            cpu = ticks / _CLK_TCK / elapsed * 100.0
+            elapsed = max(uptime() - int(data["start_time"] or 0) / CLK_TCK, 1e-3)
+            cpu = ticks / CLK_TCK / elapsed * 100.0
         else:
-            cpu = max(ticks - prev[0], 0) / _CLK_TCK / max(now - prev[1], 1e-6) * 100.0
+            cpu = max(ticks - prev[0], 0) / CLK_TCK / max(now - prev[1], 1e-6) * 100.0
         self._cpu[sid] = (ticks, now)
         total = int(data["memory_mb"]) << 20
         used, cache = rss, 0
@@ -447,7 +448,7 @@ class FirecrackerDriver:
                                               self.load_call(images, memory)])
             _write_diff_base(spec.workspace, memory)
             await self._wait_envd(handle)
-            await self._init_envd(handle, image_token or "", self._init_body(spec))
+            await self._init_envd(handle, image_token or "", init_body(spec))
             await self._guest_sync(handle, spec.envd_access_token, hostname=sid)
         except BaseException:
             await self._cleanup(sid, data)
@@ -456,15 +457,6 @@ class FirecrackerDriver:
         return handle
 
     # ------------------------------------------------------------------ envd
-    @staticmethod
-    def _init_body(spec: SandboxSpec) -> dict[str, Any]:
-        body: dict[str, Any] = {"accessToken": spec.envd_access_token,
-                                "envVars": dict(spec.env_vars),
-                                "defaultUser": spec.default_user}
-        if spec.default_workdir:
-            body["defaultWorkdir"] = spec.default_workdir
-        return body
-
     async def _envd(self, handle: RuntimeHandle, method: str, path: str, body: bytes = b"",
                     headers: dict[str, str] | None = None, timeout: float = 10
                     ) -> tuple[int, bytes]:
@@ -599,11 +591,6 @@ def _proc_usage(pid: int) -> tuple[int, int]:
     except (OSError, IndexError, ValueError):
         raise AenvError(ErrorCode.NOT_FOUND, f"process {pid} is gone") from None
     return ticks, rss
-
-
-def _uptime() -> float:
-    with open("/proc/uptime") as f:
-        return float(f.read().split()[0])
 
 
 def _dechunk(raw: bytes) -> bytes:

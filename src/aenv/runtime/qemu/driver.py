@@ -51,26 +51,23 @@ from aenv.runtime import pybundle
 from aenv.runtime.base import ReadyShape, ResourceUsage, RuntimeHandle, SandboxSpec
 from aenv.runtime.container import linux
 from aenv.runtime.container.network import NetworkPool
-from aenv.runtime.envd_init import post_init
+from aenv.runtime.envd_init import init_body, post_init
+from aenv.runtime.process import CLK_TCK, LiveProcess, kill_and_wait
 from aenv.runtime.qemu import artefacts as artefacts_mod
 from aenv.runtime.qemu import boot, images
 from aenv.runtime.qemu.network import GUEST_ADDRESS, VmNetworks, open_netns
 from aenv.runtime.qemu.qmp import Qmp
 
 log = logging.getLogger(__name__)
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
 IMAGE_FORMAT = 1  # of a snapshot directory (vm.json)
 # QEMU 7.2 caps migration at 32 MiB/s by default: far too slow for a local file.
 _MIGRATE_BANDWIDTH = 64 * 2**30
 
 
 @dataclass
-class _Live:
-    pid: int
-    start_time: int
-    netns_fd: int | None = None
-    cpu_ticks: int | None = None
-    cpu_at: float = 0.0
+class _Live(LiveProcess):
+    """The QEMU process (`cpu_used` in clock ticks) and the host's connections to it."""
+
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one QMP/ctl user at a time
     # Host ends of connections into the guest. A killed VM sends no FIN or RST, so destroy
     # and pause shut these down: streams through the proxy end at once instead of hanging.
@@ -210,8 +207,7 @@ class QemuDriver:
         await self.networks.close()
         for live in self._live.values():
             _close_ctl(live)
-            if live.netns_fd is not None:
-                os.close(live.netns_fd)
+            live.close_netns()
         self._live.clear()
         if self._host_netns >= 0:
             os.close(self._host_netns)
@@ -320,7 +316,7 @@ class QemuDriver:
             raise AenvError(ErrorCode.INTERNAL, f"sandbox {sid}: qemu exited at start: "
                             f"{_tail(paths.console)}")
         data.update(pid=pid, start_time=start_time)
-        live = _Live(pid, start_time, cpu_ticks=0, cpu_at=time.monotonic())
+        live = _Live(pid, start_time, cpu_used=0, cpu_at=time.monotonic())
         self._live[sid] = live
         if incoming is not None:
             async with Qmp(paths.qmp) as qmp:
@@ -440,15 +436,19 @@ class QemuDriver:
             self._live[handle.sandbox_id] = live
         return live
 
-    def _alive(self, live: _Live) -> bool:
-        return linux.proc_start_time(live.pid) == live.start_time
+    def _running(self, handle: RuntimeHandle) -> _Live:
+        """The VM's record, or UNAVAILABLE when its QEMU process is gone."""
+        live = self._live_of(handle)
+        if not live.alive():
+            raise AenvError(ErrorCode.UNAVAILABLE, f"sandbox {handle.sandbox_id} is not running")
+        return live
 
     async def attach(self, handle: RuntimeHandle) -> bool:
         try:
             live = self._live_of(handle)
         except AenvError:
             return False
-        if not self._alive(live):
+        if not live.alive():
             return False
         await self.networks.claim(handle.data)
         with contextlib.suppress(AenvError):
@@ -460,30 +460,12 @@ class QemuDriver:
         live = self._live_of(handle)
         if live.netns_fd is None:
             fd = open_netns(str(handle.data.get("netns")))
-            if not self._alive(live):
+            if not live.alive():
                 os.close(fd)
                 raise AenvError(ErrorCode.UNAVAILABLE, f"sandbox {handle.sandbox_id} is not running")
             live.netns_fd = fd
-        # A socket's network namespace is fixed at creation and setns() affects only this
-        # thread: switch, create, switch back, with no await in between.
-        linux.setns(live.netns_fd, linux.CLONE_NEWNET)
-        try:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        finally:
-            linux.setns(self._host_netns, linux.CLONE_NEWNET)
-        sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            await asyncio.wait_for(asyncio.get_running_loop().sock_connect(
-                sock, (GUEST_ADDRESS, port)), timeout)
-        except (OSError, TimeoutError) as exc:
-            sock.close()
-            if not self._alive(live):
-                raise AenvError(ErrorCode.UNAVAILABLE,
-                                f"sandbox {handle.sandbox_id} is not running") from None
-            raise AenvError(ErrorCode.PORT_CLOSED,
-                            f"nothing listens on port {port} in sandbox {handle.sandbox_id}: "
-                            f"{exc!r}") from None
+        sock = await live.connect(handle.sandbox_id, self._host_netns, GUEST_ADDRESS, port,
+                                  timeout)
         live.sockets.add(sock)
         return sock
 
@@ -492,17 +474,11 @@ class QemuDriver:
         Memory: the QEMU process' proportional set size (guest RAM actually backed on the
         host, shared pages split between the VMs sharing them, plus QEMU's own)."""
         live = self._live_of(handle)
-        if not self._alive(live):
+        if not live.alive():
             raise AenvError(ErrorCode.NOT_FOUND, f"sandbox {handle.sandbox_id} is not running")
         ticks = _cpu_ticks(live.pid)
         mem = _smaps_rollup(live.pid)
-        now = time.monotonic()
-        if live.cpu_ticks is None:
-            live.cpu_ticks = 0
-            live.cpu_at = now - max(_uptime() - live.start_time / _CLK_TCK, 1e-3)
-        elapsed = max(now - live.cpu_at, 1e-6)
-        cpu_pct = max(ticks - live.cpu_ticks, 0) / _CLK_TCK / elapsed * 100.0
-        live.cpu_ticks, live.cpu_at = ticks, now
+        cpu_pct = live.cpu_percent(ticks, CLK_TCK)
         disk = boot.VmPaths(Path(handle.data["vm"])).disk
         used = await asyncio.to_thread(_allocated, disk)
         return ResourceUsage(cpu_used_pct=round(cpu_pct, 2), mem_used_bytes=mem.get("Pss", 0),
@@ -515,8 +491,8 @@ class QemuDriver:
 
     async def _cleanup(self, sid: str, data: dict[str, Any], *, remove_workspace: bool) -> None:
         live = self._live.pop(sid, None)
-        if live is not None and live.netns_fd is not None:
-            os.close(live.netns_fd)
+        if live is not None:
+            live.close_netns()
         pid, start = data.get("pid"), data.get("start_time")
         _close_ctl(live)
         if live is not None:
@@ -524,7 +500,7 @@ class QemuDriver:
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
         if pid:
-            await _kill_and_wait(int(pid), start)
+            await kill_and_wait(int(pid), start, "qemu")
         await self.networks.release(data)
         ram = data.get("ram")
         if ram and str(ram).startswith(str(self.ram_dir)):
@@ -562,9 +538,7 @@ class QemuDriver:
         stream."""
         sid = handle.sandbox_id
         data = dict(handle.data)
-        live = self._live_of(handle)
-        if not self._alive(live):
-            raise AenvError(ErrorCode.UNAVAILABLE, f"sandbox {sid} is not running")
+        live = self._running(handle)
         vm = Path(data["vm"])
         paused = vm / "paused"
         paused.mkdir(exist_ok=True)
@@ -628,11 +602,8 @@ class QemuDriver:
     async def snapshot(self, handle: RuntimeHandle, images_dir: Path) -> dict[str, float]:
         """Capture a running VM into `images_dir` (vm.json, state, ram, disk.qcow2) while it
         is stopped; it continues afterwards. Returns timings."""
-        sid = handle.sandbox_id
         data = dict(handle.data)
-        live = self._live_of(handle)
-        if not self._alive(live):
-            raise AenvError(ErrorCode.UNAVAILABLE, f"sandbox {sid} is not running")
+        live = self._running(handle)
         vm = Path(data["vm"])
         images_dir.mkdir(parents=True, exist_ok=True)
         shared = bool(data.get("ram_shared"))
@@ -793,11 +764,7 @@ class QemuDriver:
                 data["ram"] = str(self._new_ram_path(sid))
             t_prep = time.monotonic()
             handle = RuntimeHandle(self.name, sid, data)
-            body: dict[str, Any] = {"accessToken": spec.envd_access_token,
-                                    "envVars": dict(spec.env_vars),
-                                    "defaultUser": spec.default_user}
-            if spec.default_workdir:
-                body["defaultWorkdir"] = spec.default_workdir
+            body = init_body(spec)
             async with self._starting:
                 try:
                     await self._launch(sid, data, incoming=images_dir / "state",
@@ -827,25 +794,12 @@ class QemuDriver:
     async def memory(self, handle: RuntimeHandle) -> dict[str, int]:
         """Host memory of the VM's QEMU process (smaps_rollup, bytes): Rss, Pss, ..."""
         live = self._live_of(handle)
-        if not self._alive(live):
+        if not live.alive():
             raise AenvError(ErrorCode.NOT_FOUND, f"sandbox {handle.sandbox_id} is not running")
         return _smaps_rollup(live.pid)
 
 
 # -- helpers ---------------------------------------------------------------------------------
-async def _kill_and_wait(pid: int, start_time: int | None, timeout: float = 10.0) -> None:
-    current = linux.proc_start_time(pid)
-    if current is None or (start_time is not None and current != start_time):
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + timeout
-    while linux.proc_start_time(pid) == current:
-        if time.monotonic() > deadline:
-            raise AenvError(ErrorCode.INTERNAL, f"qemu {pid} did not die")
-        await asyncio.sleep(0.01)
-
-
 def _tail(path: Path, n: int = 600) -> str:
     try:
         return path.read_text(errors="replace")[-n:]
@@ -874,11 +828,6 @@ def _smaps_rollup(pid: int) -> dict[str, int]:
         if words and words[0].isdigit():
             out[key] = int(words[0]) * 1024
     return out
-
-
-def _uptime() -> float:
-    with open("/proc/uptime") as f:
-        return float(f.read().split()[0])
 
 
 def _allocated(path: Path) -> int:
