@@ -50,6 +50,27 @@ def _snapshot_info(snapshot_id: str) -> dict[str, int]:
     return {k: int(v) for k, v in resp.json().items() if k in ("storedBytes", "sizeBytes")}
 
 
+def _api_pause_resume(sandbox_id: str, rounds: int) -> tuple[list[float], list[float]]:
+    """Pause and connect (resume; it answers once envd inside is ready) over one keep-alive
+    HTTP client: the server's latency. The SDK's own calls also pay for a new HTTP client
+    (TLS context included) each time, ~30-50 ms here."""
+    import httpx
+
+    pause: list[float] = []
+    resume: list[float] = []
+    with httpx.Client(base_url=os.environ["E2B_API_URL"], timeout=60,
+                      headers={"X-API-Key": os.environ["E2B_API_KEY"]}) as http:
+        for _ in range(rounds):
+            t = time.perf_counter()
+            http.post(f"/sandboxes/{sandbox_id}/pause").raise_for_status()
+            pause.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            resp = http.post(f"/sandboxes/{sandbox_id}/connect", json={"timeout": 600})
+            resp.raise_for_status()
+            resume.append(time.perf_counter() - t)
+    return pause, resume
+
+
 def cgroup_memory(sandbox_id: str) -> int:
     return int(Path(f"/sys/fs/cgroup/memory/aenv/{sandbox_id}/memory.usage_in_bytes").read_text())
 
@@ -61,7 +82,7 @@ def _worst_gap_ms(sbx: object) -> float:
     return 1000 * float(sbx.files.read("/tmp/worst-gap"))
 
 
-def run_workload(name: str, command: str, rounds: int = 5) -> list[str]:
+def run_workload(name: str, command: str, rounds: int = 10) -> list[str]:
     from e2b import Sandbox, SandboxException
 
     sbx = Sandbox.create(timeout=600)
@@ -70,6 +91,7 @@ def run_workload(name: str, command: str, rounds: int = 5) -> list[str]:
     pause: list[float] = []
     resume: list[float] = []
     failures: list[str] = []
+    api_pause, api_resume = _api_pause_resume(sbx.sandbox_id, rounds)
     for _ in range(rounds):
         t = time.perf_counter()
         try:
@@ -112,8 +134,10 @@ def run_workload(name: str, command: str, rounds: int = 5) -> list[str]:
             list(pool.map(lambda k: k.kill(), kids))
     sbx.kill()
     return [f"[{name}]",
-            summarize("  pause", pause).line(),
-            summarize("  resume -> envd ready", resume).line(),
+            summarize("  pause (HTTP API)", api_pause).line(),
+            summarize("  resume -> envd ready (HTTP API connect)", api_resume).line(),
+            summarize("  pause (SDK)", pause).line(),
+            summarize("  resume -> envd ready (SDK connect)", resume).line(),
             summarize("  snapshot, total", snap_total).line(),
             summarize("  snapshot, source pause window (1 ms ticker)", windows).line(),
             summarize("  fork x16 -> all children ready", fork16).line(),
