@@ -604,8 +604,10 @@ class SandboxManager:
         self._check_timeout(timeout)
         # The fork's image is local and short-lived: no trip through the repository. Its
         # sealed layer stays as long as a child runs on it.
+        t0 = time.monotonic()
         tpl = await self._capture(sandbox_id, None)
         self.store.put_template(tpl)
+        t1 = time.monotonic()
         try:
             results = await asyncio.gather(*[
                 self.create(CreateRequest(template=tpl.template_id, timeout_s=timeout,
@@ -614,7 +616,11 @@ class SandboxManager:
                                           auto_resume=parent.auto_resume))
                 for _ in range(count)], return_exceptions=True)
         finally:
+            t2 = time.monotonic()
             await self.delete_template(tpl.template_id)
+        log.info("fork of %s: captured in %.1f ms, %d children in %.1f ms, cleanup %.1f ms",
+                 sandbox_id, (t1 - t0) * 1e3, count, (t2 - t1) * 1e3,
+                 (time.monotonic() - t2) * 1e3)
         out: list[SandboxRecord | AenvError] = []
         for result in results:
             if isinstance(result, SandboxRecord | AenvError):

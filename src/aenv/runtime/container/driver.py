@@ -45,7 +45,7 @@ import socket
 import stat
 import subprocess
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -395,14 +395,22 @@ class ContainerDriver:
         if sid in self._live or sid in self._creating or self.cgroups.exists(sid):
             # Checked before anything is made: a failed create cleans up by sandbox id.
             raise AenvError(ErrorCode.CONFLICT, f"sandbox {sid} already exists")
-        self._creating.add(sid)
-        try:
+        with self._in_flight(sid):
             ready = self._take_ready(spec)
             if ready is not None:
                 handle = await self._claim(ready, spec)
                 if handle is not None:
                     return handle
             return await self._create(spec)
+
+    @contextlib.contextmanager
+    def _in_flight(self, sid: str) -> Iterator[None]:
+        """A create, restore or resume of `sid` in progress. Background refills (the ready
+        pool, network slots) wait until none is, so that they take no CPU from a burst such
+        as the 16 restores of a fork."""
+        self._creating.add(sid)
+        try:
+            yield
         finally:
             self._creating.discard(sid)
             self._last_create = time.monotonic()
@@ -781,6 +789,10 @@ class ContainerDriver:
         return RuntimeHandle(self.name, sid, data)
 
     async def resume(self, handle: RuntimeHandle, spec: SandboxSpec) -> RuntimeHandle:
+        with self._in_flight(handle.sandbox_id):
+            return await self._resume(handle, spec)
+
+    async def _resume(self, handle: RuntimeHandle, spec: SandboxSpec) -> RuntimeHandle:
         sid = handle.sandbox_id
         data = dict(handle.data)
         images = data.get("images")
@@ -830,6 +842,11 @@ class ContainerDriver:
         workspace (an empty upper over the image's sealed writable layer, which stays shared
         and read-only), cgroups, network namespace, hostname and envd token. `image_token` is
         the envd token inside the image."""
+        with self._in_flight(spec.sandbox_id):
+            return await self._restore(spec, images, image_token)
+
+    async def _restore(self, spec: SandboxSpec, images: Path, image_token: str | None
+                       ) -> RuntimeHandle:
         sid = spec.sandbox_id
         self._check_spec(spec)
         data: dict[str, Any] = {"pid": None, "start_time": None, "workspace": str(spec.workspace),
