@@ -52,7 +52,7 @@ from typing import Any
 
 from aenv.config import Config
 from aenv.errors import AenvError, ErrorCode
-from aenv.runtime import pybundle
+from aenv.runtime import etc_files, pybundle
 from aenv.runtime.base import ReadyShape, ResourceUsage, RuntimeHandle, SandboxSpec
 from aenv.runtime.container import cgroups, checkpoint, layers, linux, zygote
 from aenv.runtime.container.network import NetworkPool
@@ -366,7 +366,7 @@ class ContainerDriver:
 
     def _request(self, spec: SandboxSpec, slot_path: str | None,
                  slot_address: str | None) -> dict[str, Any]:
-        hosts = _hosts(spec.sandbox_id, slot_address)
+        hosts = etc_files.hosts(spec.sandbox_id, slot_address)
         return {
             "sandbox_id": spec.sandbox_id,
             "hostname": spec.sandbox_id,
@@ -377,7 +377,7 @@ class ContainerDriver:
                                                  spec.pids_max),
             "netns": slot_path,
             "hosts": hosts,
-            "resolv_conf": _host_resolv_conf() if slot_path else None,
+            "resolv_conf": etc_files.host_resolv_conf() if slot_path else None,
             "envd": {
                 "port": spec.envd_port,
                 "host": "0.0.0.0",
@@ -620,7 +620,7 @@ class ContainerDriver:
         # /etc/hostname and /etc/hosts, rewritten in place through the sandbox's root. A
         # restored copy's processes ran before (its /etc may be anything, even a symlink out
         # of the root), so every component is opened without following symlinks.
-        contents = {"hostname": sid + "\n", "hosts": _hosts(sid, data.get("address"))}
+        contents = {"hostname": sid + "\n", "hosts": etc_files.hosts(sid, data.get("address"))}
         root = os.open(f"/proc/{live.pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             etc = os.open("etc", os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
@@ -966,28 +966,3 @@ def _disk_usage(root: Path) -> int:
             if entry.is_dir(follow_symlinks=False):
                 stack.append(entry.path)
     return total
-
-
-def _hosts(sandbox_id: str, slot_address: str | None) -> str:
-    return ("127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
-            f"{slot_address or '127.0.1.1'}\t{sandbox_id}\n")
-
-
-def _host_resolv_conf() -> str | None:
-    """The host's resolvers, for sandboxes with internet access. Loopback resolvers (a local
-    stub like systemd-resolved) are unreachable from a sandbox, so they are dropped."""
-    try:
-        lines = Path("/etc/resolv.conf").read_text().splitlines()
-    except OSError:
-        return None
-    out: list[str] = []
-    for line in lines:
-        words = line.split()
-        if len(words) < 2 or words[0] not in ("nameserver", "search", "options"):
-            continue
-        if words[0] == "nameserver" and words[1].startswith(("127.", "::1")):
-            continue
-        out.append(line)
-    if not any(line.startswith("nameserver") for line in out):
-        return None
-    return "\n".join(out) + "\n"

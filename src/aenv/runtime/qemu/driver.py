@@ -47,7 +47,7 @@ from typing import Any
 
 from aenv.config import Config
 from aenv.errors import AenvError, ErrorCode
-from aenv.runtime import pybundle
+from aenv.runtime import etc_files, pybundle
 from aenv.runtime.base import ReadyShape, ResourceUsage, RuntimeHandle, SandboxSpec
 from aenv.runtime.container import linux
 from aenv.runtime.container.network import NetworkPool
@@ -390,13 +390,13 @@ class QemuDriver:
                 writer.close()
 
     def _identity(self, sid: str) -> dict[str, Any]:
-        return {"hostname": sid, "hosts": _hosts(sid), "time": time.time(),
+        return {"hostname": sid, "hosts": etc_files.hosts(sid, GUEST_ADDRESS), "time": time.time(),
                 "entropy": secrets.token_hex(64)}
 
     async def _configure(self, sid: str, data: dict[str, Any], spec: SandboxSpec) -> None:
         """The boot configuration, over the control port (the guest waits for it)."""
         msg = {"op": "config", **self._identity(sid),
-               "resolv_conf": _host_resolv_conf() if spec.allow_internet_access else None,
+               "resolv_conf": etc_files.host_resolv_conf() if spec.allow_internet_access else None,
                "envd": {"port": spec.envd_port, "access_token": spec.envd_access_token,
                         "env_vars": dict(spec.env_vars), "default_user": spec.default_user,
                         "default_workdir": spec.default_workdir}}
@@ -773,7 +773,7 @@ class QemuDriver:
                     if ram_copy:
                         await self._ram_done(images_dir)
                 t_loaded = time.monotonic()
-                resolv = _host_resolv_conf() if spec.allow_internet_access else None
+                resolv = etc_files.host_resolv_conf() if spec.allow_internet_access else None
                 await self._ctl(sid, data, {"op": "identity", **self._identity(sid),
                                             "resolv_conf": resolv}, 60)
                 await self._init_envd(handle, image_token or "", body)
@@ -835,25 +835,6 @@ def _allocated(path: Path) -> int:
         return path.stat().st_blocks * 512
     except OSError:
         return 0
-
-
-def _hosts(sandbox_id: str) -> str:
-    return ("127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
-            f"{GUEST_ADDRESS}\t{sandbox_id}\n")
-
-
-def _host_resolv_conf() -> str | None:
-    """The host's resolvers minus loopback ones (a stub resolver on the host is not
-    reachable from the guest)."""
-    try:
-        lines = Path("/etc/resolv.conf").read_text().splitlines()
-    except OSError:
-        return None
-    out = [line for line in lines if line.split()[:1] in (["nameserver"], ["search"], ["options"])
-           and not (line.startswith("nameserver") and line.split()[1].startswith(("127.", "::1")))]
-    if not any(line.startswith("nameserver") for line in out):
-        return None
-    return "\n".join(out) + "\n"
 
 
 def accel_of(handle: RuntimeHandle) -> str | None:
