@@ -261,7 +261,7 @@ class SandboxManager:
                 if self.images is not None:
                     await self.images.ensure_layers(list(tpl.layers))
                 if tpl.image is not None:
-                    await self._ensure_layers(tpl.layers)
+                    await self._ensure_sealed_layers(tpl.layers)
                     async with self._image(tpl.image) as images:
                         handle = await _snapshot_driver(driver).restore(spec, images,
                                                                          tpl.image_token)
@@ -509,7 +509,7 @@ class SandboxManager:
         finally:
             self._release_layers(layers)
 
-    async def _ensure_layers(self, layers: list[str]) -> None:
+    async def _ensure_sealed_layers(self, layers: list[str]) -> None:
         """Sealed layers of a snapshot that are not on local disk (the node's cache was
         wiped, or the snapshot was made on another node) come from the repository."""
         for layer in layers:
@@ -552,10 +552,9 @@ class SandboxManager:
         if not drivers or not self.layout.layers_dir.is_dir():
             return
         driver = drivers[0]
-        used = set(self._layers_in_flight)
+        used = self.layers_in_use()
         used.update(_layer_root(layer) for tpl in self.store.iter_templates()
                     for layer in tpl.layers)
-        used.update(_layer_root(layer) for rec in self._records.values() for layer in rec.layers)
         for path in self.layout.layers_dir.glob(SEAL_PREFIX + "*"):
             if path.name not in used:
                 try:
