@@ -32,7 +32,7 @@ log() { echo "install-criu: $*" >&2; }
 # Our patches on top of upstream; the build id changes whenever they do, so a host with an
 # older build of ours rebuilds.
 HERE=$(cd "$(dirname "$0")" && pwd)
-PATCHES=("$HERE/criu-rlimits-from-proc.patch" "$HERE/criu-empty-tmpfs.patch")
+PATCHES=("$HERE/criu-rlimits-from-proc.patch" "$HERE/criu-empty-tmpfs.patch" "$HERE/criu-aenv-fast.patch")
 # CRIU caches its probe of the kernel's features (~tens of ms per run) only on a tmpfs;
 # /run is not one on every host, /dev/shm is.
 MAKE_VARS=(RUNDIR=/dev/shm)

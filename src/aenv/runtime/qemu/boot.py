@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aenv.errors import AenvError, ErrorCode
+from aenv.runtime import process
 from aenv.runtime.qemu.artefacts import Artefacts
 from aenv.runtime.qemu.network import GUEST_ADDRESS, GUEST_MAC, HOST_SIDE, PREFIX, TAP
 
@@ -167,13 +168,10 @@ async def spawn(argv: list[str], netns: Path | None, log: Path) -> None:
         argv = ["nsenter", f"--net={netns}", "--", *argv]
     with open(log, "ab") as out:  # noqa: ASYNC230 (a local file, opened once)
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out,
-                start_new_session=True, cwd="/")
+            rc = (await process.run(argv, log=out, new_session=True, cwd="/")).returncode
         except FileNotFoundError:
             raise AenvError(ErrorCode.UNAVAILABLE, f"{argv[0]} not installed: run `make install`"
                             ) from None
-        rc = await proc.wait()
     if rc != 0:
         tail = log.read_text(errors="replace")[-1500:] if log.exists() else ""
         raise AenvError(ErrorCode.INTERNAL, f"qemu failed to start (exit {rc}): {tail}")

@@ -73,6 +73,7 @@ class _Live(LiveProcess):
     # and pause shut these down: streams through the proxy end at once instead of hanging.
     sockets: weakref.WeakSet[socket.socket] = field(default_factory=weakref.WeakSet)
     ctl: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+    running_at: float = 0.0  # time.monotonic() when its vCPUs started (boot, or restore's `cont`)
 
 
 def _close_ctl(live: _Live | None) -> None:
@@ -316,7 +317,8 @@ class QemuDriver:
             raise AenvError(ErrorCode.INTERNAL, f"sandbox {sid}: qemu exited at start: "
                             f"{_tail(paths.console)}")
         data.update(pid=pid, start_time=start_time)
-        live = _Live(pid, start_time, cpu_used=0, cpu_at=time.monotonic())
+        live = _Live(pid, start_time, cpu_used=0, cpu_at=time.monotonic(),
+                     running_at=time.monotonic())
         self._live[sid] = live
         if incoming is not None:
             async with Qmp(paths.qmp) as qmp:
@@ -336,6 +338,7 @@ class QemuDriver:
                     raise AenvError(ErrorCode.INTERNAL, f"sandbox {sid}: restore failed: "
                                     f"{mig.get('error-desc')} {_tail(paths.root / 'qemu.log')}")
                 await qmp.execute("cont")
+                live.running_at = time.monotonic()
 
     async def _ctl_conn(self, sid: str, data: dict[str, Any]
                         ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -789,6 +792,11 @@ class QemuDriver:
         """`POST /init` to the guest's envd, authenticated with its current `token`."""
         sock = await self.connect(handle, int(handle.data["envd_port"]))
         await post_init(sock, token, body, timeout=20)
+
+    def running_since(self, handle: RuntimeHandle) -> float:
+        """time.monotonic() when the VM's vCPUs started (after a boot, or a restore's load):
+        the guest runs from then on, before it has taken its new identity and envd answers."""
+        return self._live_of(handle).running_at
 
     # -- memory -----------------------------------------------------------------------------
     async def memory(self, handle: RuntimeHandle) -> dict[str, int]:

@@ -23,30 +23,26 @@ import tempfile
 from pathlib import Path
 
 from aenv.errors import AenvError, ErrorCode
+from aenv.runtime import process
 from aenv.runtime.qemu.artefacts import GUEST_TOOLS, ROOT_LABEL
 
 FORMAT = 1  # bump when what goes into a root image changes
 
 
 async def run(*argv: str, timeout: float = 600.0) -> str:
-    """Run a command; AenvError(INTERNAL) with its stderr if it fails."""
+    """Run a command; its output (stdout and stderr); AenvError(INTERNAL) with the output's
+    tail if it fails."""
     try:
-        proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE)
+        done = await process.run(argv, timeout=timeout)
     except FileNotFoundError:
         raise AenvError(ErrorCode.UNAVAILABLE,
                         f"{argv[0]} not installed: run `make install`") from None
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout)
     except TimeoutError:
-        proc.kill()
-        await proc.wait()
         raise AenvError(ErrorCode.TIMEOUT, f"`{' '.join(argv[:3])} ...` timed out") from None
-    if proc.returncode != 0:
-        raise AenvError(ErrorCode.INTERNAL,
-                        f"`{' '.join(argv[:4])} ...` failed: {err.decode(errors='replace')[-500:]}")
-    return out.decode(errors="replace")
+    out = done.output.decode(errors="replace")
+    if done.returncode != 0:
+        raise AenvError(ErrorCode.INTERNAL, f"`{' '.join(argv[:4])} ...` failed: {out[-500:]}")
+    return out
 
 
 class RootImages:
