@@ -412,3 +412,35 @@ async def test_checkpoints_of_a_shell_loop_spawning_commands(driver: ContainerDr
     for i in range(5):
         stats = await driver.snapshot(handle, home / "snapshots" / f"{sid}-{i}")
         assert stats["frozen_s"] < 2.0
+
+
+async def test_a_sandbox_being_restored_weighs_more_on_the_cpu(driver: ContainerDriver,
+                                                                create: CreateFn, rootfs: Path,
+                                                                home: Path) -> None:
+    """While criu restores a sandbox (and until its envd has answered), its cpu cgroup has a
+    large weight, so restores in flight run ahead of busy running sandboxes; afterwards it
+    weighs as much as any other sandbox. Its tasks are in its own cgroups (criu entered
+    them itself: CRIU_ENTER_CGROUPS)."""
+    handle = await create()
+    sid = handle.sandbox_id
+    paused = await driver.pause(handle)
+    seen: set[str] = set()
+    done = asyncio.Event()
+
+    async def watch() -> None:
+        while not done.is_set():
+            seen.add(cgroup_read(sid, "cpu", "cpu.shares").strip())
+            await asyncio.sleep(0.001)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        handle = await driver.resume(paused, spec_for(home, rootfs, sandbox_id=sid,
+                                                      allow_internet_access=False))
+    finally:
+        done.set()
+        await watcher
+    assert "16384" in seen
+    assert cgroup_read(sid, "cpu", "cpu.shares").strip() == "1024"
+    for controller in ("memory", "cpu", "pids", "freezer"):
+        assert str(handle.data["pid"]) in cgroup_read(sid, controller, "cgroup.procs").split()
+    assert (await run(driver, handle, "echo alive")).stdout.strip() == "alive"

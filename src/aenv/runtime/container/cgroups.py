@@ -20,6 +20,11 @@ from pathlib import Path
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 CONTROLLERS = ("memory", "cpu", "cpuacct", "pids", "freezer", "devices")
 CPU_PERIOD_US = 100_000
+CPU_SHARES = 1024  # the kernel's default weight: every running sandbox the same
+# The weight of a sandbox while it is being restored (criu, then its own tasks until envd
+# has answered /init): restores in flight run ahead of the work of running sandboxes, so a
+# fork's 16 children are not held up by their already-running, busy siblings.
+CPU_SHARES_RESTORING = 16 * CPU_SHARES
 # Device nodes a sandbox may use: the ones its /dev has, plus pseudo-terminals. mknod of any
 # node is allowed ('m'); opening anything else fails with EPERM even for root inside.
 DEVICE_ALLOW = (
@@ -65,6 +70,9 @@ class CgroupLayout:
                     ("cpu.cfs_quota_us", str(cpu_count * CPU_PERIOD_US), True)],
             "pids": [("pids.max", str(pids_max), True)],
         }
+
+    def set_cpu_shares(self, sandbox_id: str, shares: int) -> None:
+        (self.path("cpu", sandbox_id) / "cpu.shares").write_text(str(shares))
 
     def read(self, controller: str, sandbox_id: str, name: str) -> str:
         return (self.path(controller, sandbox_id) / name).read_text()

@@ -416,6 +416,17 @@ class ContainerDriver:
             self._last_create = time.monotonic()
             self._kick_pool()
 
+    @contextlib.contextmanager
+    def _restoring(self, sid: str) -> Iterator[None]:
+        """`sid`'s cgroups (which exist) weigh more while it is restored: see
+        cgroups.CPU_SHARES_RESTORING."""
+        self.cgroups.set_cpu_shares(sid, cgroups.CPU_SHARES_RESTORING)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError):  # gone with a failed restore's cleanup
+                self.cgroups.set_cpu_shares(sid, cgroups.CPU_SHARES)
+
     async def _create(self, spec: SandboxSpec, timings: bool = True) -> RuntimeHandle:
         t0 = time.monotonic()
         zygote = await self._ensure_zygote()
@@ -803,11 +814,13 @@ class ContainerDriver:
             await self._ensure_network()
             slot = await self.network.acquire()
         try:
-            result = await checkpoint.restore(
-                Path(images), workspace=Path(data["workspace"]),
-                lower=[self.driver_layer, *spec.lower_layers],
-                cgroup_dirs=checkpoint.cgroup_dirs(self.cgroups, sid),
-                envd_port=spec.envd_port, netns=slot.path if slot else None, bundle=self.bundle)
+            with self._restoring(sid):
+                result = await checkpoint.restore(
+                    Path(images), workspace=Path(data["workspace"]),
+                    lower=[self.driver_layer, *spec.lower_layers],
+                    cgroup_dirs=checkpoint.cgroup_dirs(self.cgroups, sid),
+                    envd_port=spec.envd_port, netns=slot.path if slot else None,
+                    bundle=self.bundle)
         except BaseException:
             if slot is not None:
                 await self.network.release(slot.name)
@@ -866,17 +879,20 @@ class ContainerDriver:
             seal = checkpoint.seal_layer(images)
             lower = [self.driver_layer, *([seal / "upper"] if seal is not None else []),
                      *spec.lower_layers]
-            result = await checkpoint.restore(
-                images, workspace=spec.workspace, lower=lower,
-                cgroup_dirs=checkpoint.cgroup_dirs(self.cgroups, sid), envd_port=spec.envd_port,
-                netns=slot.path if slot else None, bundle=self.bundle)
-            data.update(pid=result.pid, start_time=result.start_time,
-                        bundle_version=result.bundle_version)
-            live = LiveProcess(result.pid, result.start_time, cpu_used=0, cpu_at=time.monotonic())
-            self._live[sid] = live
-            self._set_identity(sid, live, data)
-            handle = RuntimeHandle(self.name, sid, data)
-            await self._init_envd(handle, image_token or "", init_body(spec))
+            with self._restoring(sid):
+                result = await checkpoint.restore(
+                    images, workspace=spec.workspace, lower=lower,
+                    cgroup_dirs=checkpoint.cgroup_dirs(self.cgroups, sid),
+                    envd_port=spec.envd_port, netns=slot.path if slot else None,
+                    bundle=self.bundle)
+                data.update(pid=result.pid, start_time=result.start_time,
+                            bundle_version=result.bundle_version)
+                live = LiveProcess(result.pid, result.start_time, cpu_used=0,
+                                   cpu_at=time.monotonic())
+                self._live[sid] = live
+                self._set_identity(sid, live, data)
+                handle = RuntimeHandle(self.name, sid, data)
+                await self._init_envd(handle, image_token or "", init_body(spec))
         except BaseException:
             await self._cleanup(sid, data, data.get("pid"), data.get("start_time"))
             raise
