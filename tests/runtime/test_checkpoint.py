@@ -90,6 +90,7 @@ async def restore_new(driver: ContainerDriver, rootfs: Path, home: Path
     workspace with an empty upper over the image's sealed one, cgroups), destroyed
     afterwards."""
     made: list[RuntimeHandle] = []
+    daemons: list[asyncio.subprocess.Process] = []
 
     async def _restore(images: Path, netns: Path | None = None,
                        lazy: bool = False) -> RuntimeHandle:
@@ -107,10 +108,14 @@ async def restore_new(driver: ContainerDriver, rootfs: Path, home: Path
                                cgroup_dirs=dirs, netns=netns, lazy=lazy)
         handle.data |= {"pid": res.pid, "start_time": res.start_time,
                         "restore_timings": res.timings}
+        assert (res.lazy_daemon is not None) == lazy
+        if res.lazy_daemon is not None:
+            daemons.append(res.lazy_daemon)
         return handle
 
     yield _restore
-    await ck.wait_lazy_daemons()
+    for daemon in daemons:  # each exits by itself once it has pushed every page
+        assert await asyncio.wait_for(daemon.wait(), 60) == 0
     for handle in made:
         await asyncio.to_thread(ck.unmount_root, Path(handle.data["workspace"]))
         await driver.destroy(handle)
@@ -134,6 +139,18 @@ async def test_criu_version() -> None:
         await ck.check_criu(Path("/nonexistent/criu"))
     assert err.value.code == ErrorCode.NOT_SUPPORTED
     assert "install-criu.sh" in err.value.message
+
+
+async def test_a_criu_without_our_patches_is_refused(tmp_path: Path) -> None:
+    """A stock criu 4.2.1 ignores CRIU_ENTER_CGROUPS: restored tasks would silently stay in
+    the server's cgroups. It is refused with a clear error instead."""
+    stock = tmp_path / "criu"
+    stock.write_text("#!/bin/sh\necho 'Version: 4.2.1'\n")
+    stock.chmod(0o755)
+    with pytest.raises(AenvError) as err:
+        await ck.check_criu(stock)
+    assert err.value.code == ErrorCode.NOT_SUPPORTED
+    assert "lacks aenv's patches" in err.value.message
 
 
 @pytest.mark.slow

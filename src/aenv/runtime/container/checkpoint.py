@@ -127,8 +127,6 @@ if [ -n "${AENV_UPPER:-}" ]; then
 fi
 """
 
-_criu_version: str | None = None
-_background: set[asyncio.Task[None]] = set()  # lazy-pages daemons being waited for
 
 
 @dataclass(frozen=True)
@@ -151,16 +149,17 @@ class RestoreResult:
     timings: dict[str, float] = field(default_factory=dict)
     log: Path | None = None
     bundle_version: str | None = None  # of the runtime bundle it was restored with
+    # With lazy=True: the `criu lazy-pages` daemon still pushing pages; it exits by itself
+    # once all are in. The caller owns it (await its wait(), or kill it).
+    lazy_daemon: asyncio.subprocess.Process | None = None
 
 
 # --------------------------------------------------------------------------- criu binary
 
 
 async def check_criu(criu: Path = CRIU) -> str:
-    """CRIU's version string; AenvError(NOT_SUPPORTED) if it is missing or too old."""
-    global _criu_version
-    if _criu_version is not None and criu == CRIU:
-        return _criu_version
+    """CRIU's version string; AenvError(NOT_SUPPORTED) if it is missing, too old or lacks our
+    patches. dump() and restore() do not check: their caller does, once (the driver)."""
     hint = "run scripts/install-criu.sh (as root) to install CRIU 4.2.1"
     try:
         done = await process.run([str(criu), "--version"])
@@ -184,8 +183,6 @@ async def check_criu(criu: Path = CRIU) -> str:
     if probe.returncode == 0:
         raise AenvError(ErrorCode.NOT_SUPPORTED,
                         f"criu at {criu} lacks aenv's patches (CRIU_ENTER_CGROUPS): {hint}")
-    if criu == CRIU:
-        _criu_version = version
     return version
 
 
@@ -343,7 +340,6 @@ async def dump(init_pid: int, images_dir: Path, *, freezer: Path, leave_running:
     CRIU's 100 ms freezer polling) and thawed when CRIU is done, whatever happened: a failed
     dump leaves the sandbox running, a pause leaves an empty, thawed cgroup for the resume.
     """
-    await check_criu(criu)
     t0 = time.monotonic()
     images_dir.mkdir(parents=True, exist_ok=True)
     if (images_dir / "inventory.img").exists():
@@ -442,7 +438,6 @@ async def restore(images_dir: Path, *, workspace: Path, lower: Sequence[Path],
 
     Returns once envd answers on `envd_port` inside the restored network namespace.
     """
-    await check_criu(criu)
     bundle, bundle_version = _bundle_of(images_dir, bundle)
     t0 = time.monotonic()
     timings: dict[str, float] = {}
@@ -476,36 +471,35 @@ async def restore(images_dir: Path, *, workspace: Path, lower: Sequence[Path],
         args += ["--join-ns", f"net:{netns}"]
     daemon: asyncio.subprocess.Process | None = None
     try:
-        if lazy:
-            daemon = await _start_lazy_daemon(images_dir, work, criu)
-            args.append("--lazy-pages")
-            timings["lazy_daemon"] = time.monotonic() - t0 - timings["mount"]
-        timings["criu"] = await _run_criu(args, log, f"criu restore of {images_dir}", criu,
-                                          cgroup_dirs, pass_fds=(() if netns_fd is None
-                                                                 else (netns_fd,)))
+        try:
+            if lazy:
+                daemon = await _start_lazy_daemon(images_dir, work, criu)
+                args.append("--lazy-pages")
+                timings["lazy_daemon"] = time.monotonic() - t0 - timings["mount"]
+            timings["criu"] = await _run_criu(args, log, f"criu restore of {images_dir}", criu,
+                                              cgroup_dirs, pass_fds=(() if netns_fd is None
+                                                                     else (netns_fd,)))
+        finally:
+            if netns_fd is not None:
+                os.close(netns_fd)
+            # The restored mount namespace keeps the overlay alive on its own.
+            await asyncio.to_thread(unmount_root, workspace)
+        pid = int(pidfile.read_text().split()[0])
+        start_time = linux.proc_start_time(pid)
+        if start_time is None:
+            raise AenvError(ErrorCode.INTERNAL, f"restored init {pid} exited at once (log {log})")
+        t_ready = time.monotonic()
+        await wait_ready(pid, envd_port, timeout=ready_timeout)
     except BaseException:
         if daemon is not None and daemon.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 daemon.kill()
             await daemon.wait()
         raise
-    finally:
-        if netns_fd is not None:
-            os.close(netns_fd)
-        # The restored mount namespace keeps the overlay alive on its own.
-        await asyncio.to_thread(unmount_root, workspace)
-    if daemon is not None:
-        _watch(daemon)
-    pid = int(pidfile.read_text().split()[0])
-    start_time = linux.proc_start_time(pid)
-    if start_time is None:
-        raise AenvError(ErrorCode.INTERNAL, f"restored init {pid} exited at once (log {log})")
-    t_ready = time.monotonic()
-    await wait_ready(pid, envd_port, timeout=ready_timeout)
     timings["ready"] = time.monotonic() - t_ready
     timings["total"] = time.monotonic() - t0
     return RestoreResult(pid=pid, start_time=start_time, timings=timings, log=log,
-                         bundle_version=bundle_version)
+                         bundle_version=bundle_version, lazy_daemon=daemon)
 
 
 def _bundle_of(images_dir: Path, current: Path) -> tuple[Path, str | None]:
@@ -541,22 +535,6 @@ async def _start_lazy_daemon(images_dir: Path, work: Path, criu: Path
                             f"criu lazy-pages did not start (log {log}):\n{_log_tail(log)}")
         await asyncio.sleep(0.001)
     return proc
-
-
-def _watch(proc: asyncio.subprocess.Process) -> None:
-    """Reap a lazy-pages daemon once it has pushed every page."""
-    async def wait() -> None:
-        await proc.wait()
-
-    task = asyncio.get_running_loop().create_task(wait())
-    _background.add(task)
-    task.add_done_callback(_background.discard)
-
-
-async def wait_lazy_daemons() -> None:
-    """Wait for every lazy-pages daemon started by restore() (tests, shutdown)."""
-    while _background:
-        await asyncio.gather(*list(_background), return_exceptions=True)
 
 
 async def wait_ready(pid: int, port: int, timeout: float = 30.0) -> None:

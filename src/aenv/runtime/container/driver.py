@@ -184,6 +184,7 @@ class ContainerDriver:
         self._zygote: _Zygote | None = None
         self._zygote_lock = asyncio.Lock()
         self._live: dict[str, LiveProcess] = {}
+        self._criu_version: str | None = None  # checked once, on the first checkpoint
         self._tasks: set[asyncio.Task[None]] = set()
         self._creating: set[str] = set()
         self._host_netns = -1
@@ -776,6 +777,12 @@ class ContainerDriver:
         )
 
     # ------------------------------------------------------------------ pause / resume
+    async def _require_criu(self) -> None:
+        """AenvError(NOT_SUPPORTED) when CRIU is missing, too old or unpatched (then a
+        sandbox cannot be paused: its expiry kills it instead)."""
+        if self._criu_version is None:
+            self._criu_version = await checkpoint.check_criu()
+
     async def pause(self, handle: RuntimeHandle) -> RuntimeHandle:
         """Checkpoint the whole sandbox with CRIU into its workspace and stop it: its memory
         and CPU go back to the host; its cgroups, workspace (upper) and image stay. Its network
@@ -784,6 +791,7 @@ class ContainerDriver:
         live = self._live_of(handle)
         if not live.alive():
             raise AenvError(ErrorCode.UNAVAILABLE, f"sandbox {sid} is not running")
+        await self._require_criu()
         data = dict(handle.data)
         images = Path(data["workspace"]) / "checkpoints" / f"pause-{time.time_ns()}"
         stats = await checkpoint.dump(live.pid, images, freezer=self.cgroups.path("freezer", sid),
@@ -809,6 +817,7 @@ class ContainerDriver:
         images = data.get("images")
         if not images or not Path(images).is_dir():
             raise AenvError(ErrorCode.NOT_FOUND, f"sandbox {sid}: no paused image to resume from")
+        await self._require_criu()
         slot = None
         if spec.allow_internet_access:
             await self._ensure_network()
@@ -841,6 +850,7 @@ class ContainerDriver:
         live = self._live_of(handle)
         if not live.alive():
             raise AenvError(ErrorCode.UNAVAILABLE, f"sandbox {sid} is not running")
+        await self._require_criu()
         stats = await checkpoint.dump(
             live.pid, images, freezer=self.cgroups.path("freezer", sid), leave_running=True,
             upper=Path(handle.data["workspace"]) / "upper", bundle=self.bundle,
@@ -862,6 +872,7 @@ class ContainerDriver:
                        ) -> RuntimeHandle:
         sid = spec.sandbox_id
         self._check_spec(spec)
+        await self._require_criu()
         data: dict[str, Any] = {"pid": None, "start_time": None, "workspace": str(spec.workspace),
                                 "envd_port": spec.envd_port, "slot": None, "address": None}
         try:
