@@ -14,6 +14,7 @@ from e2b import Sandbox, SandboxQuery, SandboxState
 from e2e_helpers import container_only, wait_until
 
 from aenv.devserver import ServerProcess, prepare_home, remove_home
+from aenv.runtime.container import cgroups, layers
 
 # Written to a temporary file then renamed, so a reader never sees it half-written.
 COUNTER = ("nohup bash -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter.tmp; "
@@ -186,3 +187,61 @@ def test_a_failed_pause_loses_nothing(run_id: str) -> None:
         assert s.files.read("/home/user/precious.txt") == "keep me"
     finally:
         s.kill()
+
+
+def paused_entries(home: Path, sandbox_id: str) -> list[str]:
+    """The repository's entries holding a paused sandbox's state (posix_fs: $home/repository)."""
+    manifests = home / "repository" / "meta" / "manifests"
+    return sorted(p.name for p in manifests.glob(f"paused-{sandbox_id}-*.json"))
+
+
+@container_only
+@pytest.mark.slow
+def test_a_paused_sandbox_survives_the_loss_of_its_local_files(own_home: Path) -> None:
+    """After a pause, the sandbox's checkpoint and writable layer go to the snapshot
+    repository in the background. A node that then loses the sandbox's workspace (image and
+    files) and its cgroups, and restarts, still resumes it: processes, memory and files."""
+    srv = ServerProcess(home=own_home, api_key="pause-key").start(ready_timeout=300)
+    opts = {"api_key": srv.api_key, "api_url": srv.url, "sandbox_url": srv.url}
+    try:
+        s = Sandbox.create(timeout=300, **opts)
+        s.commands.run(COUNTER)
+        s.commands.run(HOLDER)
+        s.files.write("/home/user/keep.txt", "survives the disk")
+        wait_until(lambda: s.files.exists("/tmp/ask"), 10, what="the holder's fifo")
+        secret, _ = ask(s)
+        before = counter(s)
+        assert s.pause() is True
+        wait_until(lambda: len(paused_entries(own_home, s.sandbox_id)) == 2, 30,
+                   what="the paused state in the repository")
+        srv.stop(sig=signal.SIGKILL)
+        workspace = own_home / "sandboxes" / s.sandbox_id
+        assert workspace.is_dir()
+        layers.remove_layer(workspace)  # image and writable layer: gone
+        for controller in cgroups.CONTROLLERS:
+            (cgroups.CGROUP_ROOT / controller / "aenv" / s.sandbox_id).rmdir()
+        srv = ServerProcess(home=own_home, port=srv.port, api_key=srv.api_key,
+                            extra_env={"AENV_SNAPSHOT_GC_INTERVAL_S": "2"}
+                            ).start(ready_timeout=300)
+        again = Sandbox.connect(s.sandbox_id, **opts)
+        assert again.files.read("/home/user/keep.txt") == "survives the disk"
+        assert counter(again) >= before
+        keeps_counting(again, counter(again))
+        assert ask(again) == (secret, 2)  # the same process, its memory intact
+        # Resumed: the copies in the repository are no longer needed.
+        wait_until(lambda: not paused_entries(own_home, s.sandbox_id), 10,
+                   what="the paused state to leave the repository")
+        # Killing a paused sandbox removes its copy too.
+        assert again.pause() is True
+        wait_until(lambda: len(paused_entries(own_home, s.sandbox_id)) == 2, 30,
+                   what="the second pause's state in the repository")
+        blobs = own_home / "repository" / "blobs"
+        assert any(p.is_file() for p in blobs.rglob("*"))
+        assert Sandbox.kill(s.sandbox_id, **opts) is True
+        wait_until(lambda: not paused_entries(own_home, s.sandbox_id), 10,
+                   what="the killed sandbox's state to leave the repository")
+        # ... and the server's periodic gc deletes the chunks nothing references any more.
+        wait_until(lambda: not any(p.is_file() for p in blobs.rglob("*")), 20,
+                   what="the repository gc to delete the unreferenced chunks")
+    finally:
+        srv.shutdown()

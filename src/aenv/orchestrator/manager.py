@@ -31,10 +31,12 @@ from aenv.orchestrator.models import (
     SandboxState,
     TemplateRecord,
 )
+from aenv.orchestrator.paused import PausedStateKeeper
 from aenv.orchestrator.store import Store
 from aenv.runtime.base import (
     LayerSealingDriver,
     PausableDriver,
+    PausedStateDriver,
     ReadyShape,
     ResourceUsage,
     RuntimeDriver,
@@ -85,11 +87,14 @@ class SandboxManager:
         self._records: dict[str, SandboxRecord] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._sweeper: asyncio.Task[None] | None = None
+        self._repository_gc: asyncio.Task[None] | None = None
         self._creating = 0
         self._stop_listeners: list[Callable[[str], None]] = []
         # Snapshots live in the durable repository; `snapshots` is the bounded local cache in
         # front of it (None: snapshots stay local only, in layout.snapshots_dir).
         self.snapshots = snapshots
+        # Paused sandboxes' state goes to the same repository (in the background).
+        self._paused = PausedStateKeeper(snapshots.repository) if snapshots is not None else None
         # Sealed layers being made or used by a create that is not recorded yet: the layer
         # collector must not take them (layer id -> number of users).
         self._layers_in_flight: dict[str, int] = {}
@@ -106,6 +111,8 @@ class SandboxManager:
             await self._reattach(rec)
         await self._collect_layers()
         self._sweeper = asyncio.create_task(self._sweep_forever(), name="aenv-ttl-sweeper")
+        if self.snapshots is not None and self.config.snapshot.gc_interval_s > 0:
+            self._repository_gc = asyncio.create_task(self._gc_forever(), name="aenv-repo-gc")
 
     def _configure_ready_pool(self) -> None:
         """Drivers with a ready pool keep sandboxes of the default template's shape started
@@ -121,12 +128,13 @@ class SandboxManager:
             envd_port=self.config.sandbox.envd_port, default_user=tpl.default_user)])
 
     async def close(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            try:
-                await self._sweeper
-            except asyncio.CancelledError:
-                pass
+        for task in (self._sweeper, self._repository_gc):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if self._paused is not None:
+            await self._paused.close()
         for driver in self._drivers.values():
             await driver.close()
 
@@ -167,6 +175,7 @@ class SandboxManager:
             return
         if rec.state is SandboxState.PAUSED:
             self._records[rec.sandbox_id] = rec
+            self._persist_paused(rec, driver)  # an upload the last run did not finish
             return
         handle = RuntimeHandle(rec.runtime, rec.sandbox_id, rec.handle)
         alive = rec.state is SandboxState.RUNNING and await driver.attach(handle)
@@ -307,11 +316,21 @@ class SandboxManager:
         self.store.put_sandbox(rec)
         return rec
 
+    def _persist_paused(self, rec: SandboxRecord, driver: RuntimeDriver) -> None:
+        if self._paused is not None and isinstance(driver, PausedStateDriver):
+            self._paused.persist_later(driver, self._handle(rec))
+
+    def _forget_paused(self, rec: SandboxRecord, driver: RuntimeDriver) -> None:
+        if self._paused is not None and isinstance(driver, PausedStateDriver):
+            self._paused.forget_later(driver, self._handle(rec))
+
     async def kill(self, sandbox_id: str) -> None:
         async with self._lock(sandbox_id):
             rec = self.get(sandbox_id)
             self._commit(replace(rec, state=SandboxState.KILLING))
             self._stopped_serving(sandbox_id)
+            if rec.state is SandboxState.PAUSED:
+                self._forget_paused(rec, self._driver(rec))
             try:
                 await self._driver(rec).destroy(self._handle(rec))
             finally:
@@ -361,9 +380,10 @@ class SandboxManager:
                 self._commit(rec)
                 raise
             t2 = time.monotonic()
-            self._commit(replace(rec, state=SandboxState.PAUSED, handle=handle.data))
+            paused = self._commit(replace(rec, state=SandboxState.PAUSED, handle=handle.data))
             log.info("sandbox %s paused in %.1f ms (runtime %.1f ms)", sandbox_id,
                      (time.monotonic() - t0) * 1e3, (t2 - t1) * 1e3)
+            self._persist_paused(paused, driver)
 
     async def _resume_locked(self, rec: SandboxRecord, timeout_s: int) -> SandboxRecord:
         driver = self._driver(rec)
@@ -371,14 +391,26 @@ class SandboxManager:
             raise AenvError(ErrorCode.NOT_SUPPORTED,
                             f"resume is not supported by the {rec.runtime} runtime yet")
         t0 = time.monotonic()
-        spec = self._spec(rec, self.find_template(rec.template_id))
+        tpl = self.find_template(rec.template_id)
+        spec = self._spec(rec, tpl)
+        layers = list(rec.layers or tpl.layers)
         self._commit(replace(rec, state=SandboxState.RESUMING))
         t1 = time.monotonic()
         try:
-            handle = await driver.resume(self._handle(rec), spec)
+            with self._layers_held(layers):
+                # What a node that lost its local files needs back: the template's layers
+                # (image layers, sealed layers) and the paused state itself.
+                if self.images is not None:
+                    await self.images.ensure_layers(layers)
+                await self._ensure_sealed_layers(layers)
+                if self._paused is not None and isinstance(driver, PausedStateDriver):
+                    await self._paused.ensure_local(driver, self._handle(rec))
+                handle = await driver.resume(self._handle(rec), spec)
         except BaseException:
             self._commit(rec)  # still paused: its image is intact
+            self._persist_paused(rec, driver)  # if its upload was cancelled for this resume
             raise
+        self._forget_paused(rec, driver)
         t2 = time.monotonic()
         rec = self._commit(replace(rec, state=SandboxState.RUNNING, handle=handle.data,
                                    end_at=utcnow() + timedelta(seconds=timeout_s)))
@@ -669,6 +701,18 @@ class SandboxManager:
                     await self._expire(sandbox_id)
                 except Exception:  # one bad sandbox must not stop the sweeper
                     log.exception("expiring sandbox %s failed", sandbox_id)
+
+    async def _gc_forever(self) -> None:
+        assert self.snapshots is not None
+        while True:
+            await asyncio.sleep(self.config.snapshot.gc_interval_s)
+            try:
+                stats = await self.snapshots.repository.gc()
+            except Exception:  # the repository may be unreachable for a while
+                log.exception("repository gc failed")
+                continue
+            log.info("repository gc: %d chunks deleted, %d kept%s", stats.blobs_deleted,
+                     stats.blobs_kept, f" (skipped: {stats.skipped})" if stats.skipped else "")
 
     async def _expire(self, sandbox_id: str) -> None:
         rec = self._records.get(sandbox_id)

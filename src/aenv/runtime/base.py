@@ -116,6 +116,21 @@ class PausableDriver(Protocol):
 
 
 @runtime_checkable
+class PausedStateDriver(Protocol):
+    """A pausable driver whose paused state is a few local directories, which the
+    orchestrator copies to the snapshot repository: a paused sandbox then survives the loss
+    of its local files (a wiped disk, a reinstalled node) and not only a server restart."""
+
+    def paused_state(self, handle: RuntimeHandle) -> dict[str, Path]:
+        """The directories holding a paused sandbox's whole state, by a name unique to this
+        pause ([A-Za-z0-9._-]); a resume needs all of them at these paths."""
+
+    async def prepare_paused_state(self, handle: RuntimeHandle) -> None:
+        """Make what missing directories of `paused_state` are fetched back into (e.g. the
+        workspace they live in); called only when some are missing."""
+
+
+@runtime_checkable
 class SnapshotDriver(Protocol):
     """A driver that can capture a running sandbox into an image (briefly pausing it) and
     start independent copies of it from that image (create-from-snapshot, fork)."""

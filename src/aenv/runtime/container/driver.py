@@ -807,6 +807,21 @@ class ContainerDriver:
         data.update(pid=None, start_time=None, slot=None, address=None, images=str(images))
         return RuntimeHandle(self.name, sid, data)
 
+    def paused_state(self, handle: RuntimeHandle) -> dict[str, Path]:
+        """The checkpoint image and the writable layer (the upper, as the pause left it)."""
+        images = Path(str(handle.data.get("images") or ""))
+        if not handle.data.get("images"):
+            raise AenvError(ErrorCode.CONFLICT, f"sandbox {handle.sandbox_id} is not paused")
+        pause = images.name  # pause-<ns>: unique to this pause
+        return {f"{pause}-image": images,
+                f"{pause}-upper": Path(handle.data["workspace"]) / "upper"}
+
+    async def prepare_paused_state(self, handle: RuntimeHandle) -> None:
+        workspace = Path(handle.data["workspace"])
+        if not workspace.exists():
+            # A subvolume on btrfs, as for any sandbox; its empty upper is filled by the pull.
+            await checkpoint.prepare_workspace(workspace)
+
     async def resume(self, handle: RuntimeHandle, spec: SandboxSpec) -> RuntimeHandle:
         with self._in_flight(handle.sandbox_id):
             return await self._resume(handle, spec)
@@ -818,6 +833,10 @@ class ContainerDriver:
         if not images or not Path(images).is_dir():
             raise AenvError(ErrorCode.NOT_FOUND, f"sandbox {sid}: no paused image to resume from")
         await self._require_criu()
+        if not self.cgroups.exists(sid):  # gone with a host reboot, or never on this node
+            await asyncio.to_thread(checkpoint.create_cgroups, self.cgroups, sid,
+                                    memory_mb=spec.memory_mb, cpu_count=spec.cpu_count,
+                                    pids_max=spec.pids_max)
         slot = None
         if spec.allow_internet_access:
             await self._ensure_network()

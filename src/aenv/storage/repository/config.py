@@ -25,6 +25,9 @@ class SnapshotConfig:
     s3_region: str | None = None  # required for s3: signatures depend on it, never guessed
     cache_gb: int = 10  # local runtime cache of materialised snapshots, GiB (LRU beyond this)
     max_sealed_layers: int = 8  # sealed layers a stack may hold before they are compacted
+    # Every this many seconds the server deletes chunks no snapshot references any more
+    # (deleted snapshots, resumed or killed paused sandboxes, interrupted uploads); 0: never.
+    gc_interval_s: int = 600
 
     @property
     def cache_bytes(self) -> int:
