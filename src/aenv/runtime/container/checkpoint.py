@@ -128,7 +128,6 @@ fi
 """
 
 
-
 @dataclass(frozen=True)
 class DumpStats:
     """Timings of one dump, in seconds. `frozen_s`: how long the sandbox was not running

@@ -809,9 +809,9 @@ class ContainerDriver:
 
     def paused_state(self, handle: RuntimeHandle) -> dict[str, Path]:
         """The checkpoint image and the writable layer (the upper, as the pause left it)."""
-        images = Path(str(handle.data.get("images") or ""))
         if not handle.data.get("images"):
             raise AenvError(ErrorCode.CONFLICT, f"sandbox {handle.sandbox_id} is not paused")
+        images = Path(handle.data["images"])
         pause = images.name  # pause-<ns>: unique to this pause
         return {f"{pause}-image": images,
                 f"{pause}-upper": Path(handle.data["workspace"]) / "upper"}
