@@ -9,6 +9,7 @@ destroy() work on them as on any sandbox.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -461,3 +462,40 @@ async def test_a_sandbox_being_restored_weighs_more_on_the_cpu(driver: Container
     for controller in ("memory", "cpu", "pids", "freezer"):
         assert str(handle.data["pid"]) in cgroup_read(sid, controller, "cgroup.procs").split()
     assert (await run(driver, handle, "echo alive")).stdout.strip() == "alive"
+
+
+
+def _resident_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+        if line.startswith("Rss:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no Rss for {pid}")
+
+
+def _ballast_pid(sandbox_id: str) -> int:
+    for pid in cgroup_read(sandbox_id, "pids", "cgroup.procs").split():
+        with contextlib.suppress(OSError):
+            if b"bytearray" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return int(pid)
+    raise AssertionError("the ballast process is not running")
+
+
+@pytest.mark.slow
+async def test_a_resumed_process_holds_no_more_memory_than_before(
+        driver: ContainerDriver, create: CreateFn, rootfs: Path, home: Path) -> None:
+    """The restore populates exactly the page ranges in the image (our CRIU patch's
+    MADV_POPULATE_WRITE per range): a process comes back with the memory it had, not more."""
+    handle = await create()
+    sid = handle.sandbox_id
+    await run(driver, handle, "(nohup python3 -c 'import time; b = bytearray(64 << 20); "
+                              "b[::4096] = b\"x\" * len(b[::4096]); time.sleep(1e9)' "
+                              ">/dev/null 2>&1 &); sleep 1")
+    before = _resident_kib(_ballast_pid(sid))
+    assert before > 64 << 10
+    paused = await driver.pause(handle)
+    handle = await driver.resume(paused, spec_for(home, rootfs, sandbox_id=sid,
+                                                  allow_internet_access=False))
+    after = _resident_kib(_ballast_pid(sid))
+    # Not more; a little less is normal (file pages, such as libraries, fault back in on
+    # use); the 64 MiB are back.
+    assert 64 << 10 <= after <= before + 1024, (before, after)
