@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -46,3 +47,15 @@ def wait_until(predicate: Callable[[], Any], timeout: float, interval: float = 0
             return last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last value: {last!r})")
+
+
+def lose_local_state(home: Path, sandbox_id: str) -> None:
+    """What a node that lost a (stopped) paused sandbox's local files looks like: its
+    workspace (checkpoint image and writable layer) and its cgroups are gone."""
+    from aenv.runtime.container import cgroups, layers
+
+    workspace = home / "sandboxes" / sandbox_id
+    assert workspace.is_dir(), workspace
+    layers.remove_layer(workspace)
+    for controller in cgroups.CONTROLLERS:
+        (cgroups.CGROUP_ROOT / controller / "aenv" / sandbox_id).rmdir()

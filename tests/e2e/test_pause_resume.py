@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 from e2b import Sandbox, SandboxQuery, SandboxState
-from e2e_helpers import container_only, wait_until
+from e2e_helpers import container_only, lose_local_state, wait_until
 
 from aenv.devserver import ServerProcess, prepare_home, remove_home
-from aenv.runtime.container import cgroups, layers
 
 # Written to a temporary file then renamed, so a reader never sees it half-written.
 COUNTER = ("nohup bash -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter.tmp; "
@@ -215,11 +214,7 @@ def test_a_paused_sandbox_survives_the_loss_of_its_local_files(own_home: Path) -
         wait_until(lambda: len(paused_entries(own_home, s.sandbox_id)) == 2, 30,
                    what="the paused state in the repository")
         srv.stop(sig=signal.SIGKILL)
-        workspace = own_home / "sandboxes" / s.sandbox_id
-        assert workspace.is_dir()
-        layers.remove_layer(workspace)  # image and writable layer: gone
-        for controller in cgroups.CONTROLLERS:
-            (cgroups.CGROUP_ROOT / controller / "aenv" / s.sandbox_id).rmdir()
+        lose_local_state(own_home, s.sandbox_id)
         srv = ServerProcess(home=own_home, port=srv.port, api_key=srv.api_key,
                             extra_env={"AENV_SNAPSHOT_GC_INTERVAL_S": "2"}
                             ).start(ready_timeout=300)

@@ -15,6 +15,7 @@ from pathlib import Path
 import boto3
 import pytest
 from e2b import Sandbox
+from e2e_helpers import container_only, lose_local_state, wait_until
 
 from aenv.devserver import S3Server, ServerProcess, prepare_home, remove_home
 from aenv.runtime.container.layers import remove_layer
@@ -33,14 +34,18 @@ def _keys(s3: S3Server, prefix: str) -> set[str]:
     return {obj["Key"][len(prefix):] for page in pages for obj in page.get("Contents", [])}
 
 
+def _s3_env(s3: S3Server, prefix: str) -> dict[str, str]:
+    return {"AENV_SNAPSHOT_BACKEND": "s3", "AENV_SNAPSHOT_S3_ENDPOINT": s3.endpoint,
+            "AENV_SNAPSHOT_S3_BUCKET": s3.bucket, "AENV_SNAPSHOT_S3_PREFIX": prefix,
+            "AENV_SNAPSHOT_S3_REGION": s3.region,
+            **{k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}}
+
+
 @pytest.mark.slow
 def test_snapshots_live_in_s3_and_come_back_to_a_node_that_lost_them(
         s3_server: S3Server, own_home: Path) -> None:
     prefix = f"e2e-{secrets.token_hex(4)}"
-    env = {"AENV_SNAPSHOT_BACKEND": "s3", "AENV_SNAPSHOT_S3_ENDPOINT": s3_server.endpoint,
-           "AENV_SNAPSHOT_S3_BUCKET": s3_server.bucket, "AENV_SNAPSHOT_S3_PREFIX": prefix,
-           "AENV_SNAPSHOT_S3_REGION": s3_server.region,
-           **{k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}}
+    env = _s3_env(s3_server, prefix)
     srv = ServerProcess(home=own_home, api_key="s3-key", extra_env=env).start(ready_timeout=300)
     opts = {"api_key": srv.api_key, "api_url": srv.url, "sandbox_url": srv.url}
     name = f"s3-{uuid.uuid4().hex[:8]}"
@@ -72,5 +77,41 @@ def test_snapshots_live_in_s3_and_come_back_to_a_node_that_lost_them(
         assert Sandbox.delete_snapshot(snap.snapshot_id, **opts) is True
         left = {k for k in _keys(s3_server, prefix + "/") if k.startswith("meta/manifests/")}
         assert left == set(), left  # the snapshot and its layer are gone from the bucket
+    finally:
+        srv.shutdown()
+
+
+@container_only
+@pytest.mark.slow
+def test_a_paused_sandbox_lives_in_s3_and_resumes_on_a_node_that_lost_it(
+        s3_server: S3Server, own_home: Path) -> None:
+    """The paused state (checkpoint image + writable layer) is uploaded to the bucket; the
+    node loses it, restarts, and the sandbox resumes with its files and processes."""
+    prefix = f"e2e-{secrets.token_hex(4)}"
+    env = _s3_env(s3_server, prefix)
+    srv = ServerProcess(home=own_home, api_key="s3-key", extra_env=env).start(ready_timeout=300)
+    opts = {"api_key": srv.api_key, "api_url": srv.url, "sandbox_url": srv.url}
+
+    def paused_manifests(sandbox_id: str) -> set[str]:
+        return {k for k in _keys(s3_server, f"{prefix}/meta/manifests/")
+                if k.startswith(f"paused-{sandbox_id}-")}
+
+    try:
+        s = Sandbox.create(timeout=120, **opts)
+        s.files.write("/home/user/kept.txt", "in the bucket")
+        s.commands.run("nohup sleep 100000 >/dev/null 2>&1 &")
+        assert s.pause() is True
+        wait_until(lambda: len(paused_manifests(s.sandbox_id)) == 2, 60,
+                   what="the paused state in the bucket")
+        srv.stop()
+        lose_local_state(own_home, s.sandbox_id)
+        srv = ServerProcess(home=own_home, port=srv.port, api_key=srv.api_key,
+                            extra_env=env).start(ready_timeout=300)
+        again = Sandbox.connect(s.sandbox_id, **opts)
+        assert again.files.read("/home/user/kept.txt") == "in the bucket"
+        assert "sleep 100000" in again.commands.run("ps -eo args").stdout
+        wait_until(lambda: not paused_manifests(s.sandbox_id), 20,
+                   what="the paused state to leave the bucket")
+        again.kill()
     finally:
         srv.shutdown()
