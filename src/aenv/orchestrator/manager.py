@@ -316,13 +316,20 @@ class SandboxManager:
         self.store.put_sandbox(rec)
         return rec
 
-    def _persist_paused(self, rec: SandboxRecord, driver: RuntimeDriver) -> None:
+    def _keeps_paused_state(self, driver: RuntimeDriver
+                            ) -> tuple[PausedStateKeeper, PausedStateDriver] | None:
+        """The keeper and the driver, when this driver's paused state goes to the repository."""
         if self._paused is not None and isinstance(driver, PausedStateDriver):
-            self._paused.persist_later(driver, self._handle(rec))
+            return self._paused, driver
+        return None
+
+    def _persist_paused(self, rec: SandboxRecord, driver: RuntimeDriver) -> None:
+        if (keeping := self._keeps_paused_state(driver)) is not None:
+            keeping[0].persist_later(keeping[1], self._handle(rec))
 
     def _forget_paused(self, rec: SandboxRecord, driver: RuntimeDriver) -> None:
-        if self._paused is not None and isinstance(driver, PausedStateDriver):
-            self._paused.forget_later(driver, self._handle(rec))
+        if (keeping := self._keeps_paused_state(driver)) is not None:
+            keeping[0].forget_later(keeping[1], self._handle(rec))
 
     async def kill(self, sandbox_id: str) -> None:
         async with self._lock(sandbox_id):
@@ -403,8 +410,8 @@ class SandboxManager:
                 if self.images is not None:
                     await self.images.ensure_layers(layers)
                 await self._ensure_sealed_layers(layers)
-                if self._paused is not None and isinstance(driver, PausedStateDriver):
-                    await self._paused.ensure_local(driver, self._handle(rec))
+                if (keeping := self._keeps_paused_state(driver)) is not None:
+                    await keeping[0].ensure_local(keeping[1], self._handle(rec))
                 handle = await driver.resume(self._handle(rec), spec)
         except BaseException:
             self._commit(rec)  # still paused: its image is intact
