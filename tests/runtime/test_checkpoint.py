@@ -499,3 +499,42 @@ async def test_a_resumed_process_holds_no_more_memory_than_before(
     # Not more; a little less is normal (file pages, such as libraries, fault back in on
     # use); the 64 MiB are back.
     assert 64 << 10 <= after <= before + 1024, (before, after)
+
+
+def _namespaces_mounting(upper: Path) -> set[int]:
+    """The mount namespaces (by inode) in which some overlay has `upper` as its upperdir."""
+    found: set[int] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if f"upperdir={upper}," in (proc / "mountinfo").read_text():
+                found.add(os.stat(proc / "ns" / "mnt").st_ino)
+    return found
+
+
+@pytest.mark.slow
+async def test_a_pause_unmounts_the_sandbox_root_in_the_background(
+        driver: ContainerDriver, create: CreateFn, rootfs: Path, home: Path) -> None:
+    """The paused tree's overlay root is unmounted (which syncs its upper filesystem) after
+    the pause returns, not inside it; a resume straight after the pause waits for it, and no
+    mount namespace keeps the sandbox's root once it is done."""
+    handle = await create()
+    sid = handle.sandbox_id
+    upper = Path(handle.data["workspace"]) / "upper"
+    assert len(_namespaces_mounting(upper)) == 1
+    await run(driver, handle, "echo kept > /root/f")
+    spec = spec_for(home, rootfs, sandbox_id=sid, allow_internet_access=False)
+    handle = await driver.resume(await driver.pause(handle), spec)  # no wait in between
+    assert (await run(driver, handle, "cat /root/f")).stdout == "kept\n"
+    assert len(_namespaces_mounting(upper)) == 1  # the resumed root only
+    pid = handle.data["pid"]
+    mount_ns = f"mnt:[{os.stat(f'/proc/{pid}/ns/mnt').st_ino}]"
+    await driver.pause(handle)
+    await driver._unmounted(sid)
+    assert _namespaces_mounting(upper) == set()
+    assert sid not in driver._unmounting
+    # A namespace with no process left is not in any /proc/<pid>/mountinfo: it lives as long
+    # as someone holds it, and the driver must not.
+    held = {os.readlink(fd) for fd in Path("/proc/self/fd").iterdir() if fd.is_symlink()}
+    assert mount_ns not in held

@@ -86,3 +86,27 @@ def test_initramfs_is_a_newc_archive(tmp_path: Path) -> None:
     # Modules load in dependency order.
     order = [script.index(m) for m in ("virtio_ring", "virtio_mmio", "virtio_blk", "virtio_net")]
     assert order == sorted(order)
+
+
+@pytest.mark.skipif(shutil.which("qemu-img") is None, reason="qemu-img not installed")
+def test_qcow2_backing_is_read_from_the_header(tmp_path: Path) -> None:
+    """What `qemu-img` wrote, read back without it; a rebase to the same base is skipped
+    and one to another base is done."""
+    from aenv.runtime.qemu import images
+
+    base, other = tmp_path / "base.img", tmp_path / "other.img"
+    for path in (base, other):
+        path.write_bytes(b"\0" * 2**20)
+    overlay = tmp_path / "disk.qcow2"
+    asyncio.run(images.create_overlay(base, overlay))
+    assert images.qcow2_backing(overlay) == (str(base), "raw")
+    stamp = overlay.stat().st_mtime_ns
+    asyncio.run(images.point_overlay_at(overlay, base))
+    assert overlay.stat().st_mtime_ns == stamp  # already right: untouched
+    asyncio.run(images.point_overlay_at(overlay, other))
+    assert images.qcow2_backing(overlay) == (str(other), "raw")
+    asyncio.run(images.run("qemu-img", "create", "-q", "-f", "qcow2", str(tmp_path / "plain"),
+                           "1M"))
+    assert images.qcow2_backing(tmp_path / "plain") == (None, None)
+    with pytest.raises(ValueError, match="not a qcow2"):
+        images.qcow2_backing(base)

@@ -175,6 +175,10 @@ async def test_snapshot_and_fork_children_are_independent(
                             "head -c 16 /dev/urandom | od -An -tx1", token=tok(ksid))
             assert res.exit_code == 0, res.stderr
             outs.append(res.stdout.splitlines())
+            # The new identity is in the files too (bind mounts of files on the guest's /run).
+            res = await run(driver, kid, "cat /etc/hostname; grep -c -w " + ksid + " /etc/hosts; "
+                            "grep -c ' /etc/hostname ' /proc/self/mountinfo", token=tok(ksid))
+            assert res.stdout.split() == [ksid, "1", "1"], res.stdout
             await run(driver, kid, f"echo {ksid} > /root/file", token=tok(ksid))
         for kid, out in zip(kids, outs):
             assert out[0] == "from-parent" and out[1] == kid.sandbox_id and out[2] == "1"

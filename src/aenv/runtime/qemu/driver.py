@@ -754,8 +754,7 @@ class QemuDriver:
             base, _ = await asyncio.gather(self.root_images.get(spec.lower_layers),
                                            images.copy_sparse(images_dir / "disk.qcow2", disk))
             # The overlay names its backing file by path: point it at this node's base image.
-            await images.run("qemu-img", "rebase", "-u", "-f", "qcow2", "-b", str(base),
-                             "-F", "raw", str(disk))
+            await images.point_overlay_at(disk, base)
             if meta.get("ram") and own_ram:
                 data["ram"] = str(self._new_ram_path(sid))
                 await images.copy_sparse(images_dir / "ram", Path(data["ram"]))

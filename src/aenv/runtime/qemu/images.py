@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import os
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 
@@ -106,6 +107,47 @@ async def create_overlay(base: Path, overlay: Path, backing_format: str = "raw")
     overlay.parent.mkdir(parents=True, exist_ok=True)
     await run("qemu-img", "create", "-q", "-f", "qcow2", "-o", "cluster_size=65536",
               "-b", str(base), "-F", backing_format, str(overlay))
+
+
+QCOW2_MAGIC = b"QFI\xfb"
+QCOW2_EXT_BACKING_FORMAT = 0xE2792ACA
+
+
+def qcow2_backing(path: Path) -> tuple[str | None, str | None]:
+    """(backing file, backing format) named in a qcow2 header, None where absent. Read here
+    rather than with `qemu-img info`: one fork child asks it and a process start costs more
+    than the answer. ValueError if `path` is not a qcow2 image."""
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    if len(head) < 72 or head[:4] != QCOW2_MAGIC:
+        raise ValueError(f"{path} is not a qcow2 image")
+    version, offset, size = struct.unpack_from(">IQI", head, 4)
+    name = None
+    if offset:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            name = f.read(size).decode(errors="replace")
+    fmt = None
+    # Header extensions follow the header (72 bytes in version 2, header_length in 3):
+    # type, length, data padded to 8 bytes; type 0 ends them.
+    pos = 72 if version == 2 else struct.unpack_from(">I", head, 100)[0]
+    while pos + 8 <= len(head):
+        kind, length = struct.unpack_from(">II", head, pos)
+        if kind == 0:
+            break
+        if kind == QCOW2_EXT_BACKING_FORMAT:
+            fmt = head[pos + 8:pos + 8 + length].decode(errors="replace")
+        pos += 8 + (length + 7) // 8 * 8
+    return name, fmt
+
+
+async def point_overlay_at(overlay: Path, base: Path, backing_format: str = "raw") -> None:
+    """Make `overlay` name `base` as its backing file (a header change, no data copied),
+    unless it already does: a snapshot taken on this node already names this node's base."""
+    if await asyncio.to_thread(qcow2_backing, overlay) == (str(base), backing_format):
+        return
+    await run("qemu-img", "rebase", "-u", "-f", "qcow2", "-b", str(base),
+              "-F", backing_format, str(overlay))
 
 
 async def copy_sparse(src: Path, dst: Path) -> None:
