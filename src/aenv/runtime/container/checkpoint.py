@@ -400,9 +400,8 @@ def mount_root(workspace: Path, lower: Sequence[Path]) -> Path:
     `<workspace>/work`) at `<workspace>/rootfs`, private. Blocking."""
     target = workspace / ROOTFS
     target.mkdir(exist_ok=True)
-    opts = (f"lowerdir={':'.join(str(p) for p in lower)},upperdir={workspace / 'upper'},"
-            f"workdir={workspace / 'work'}")
-    linux.mount("overlay", str(target), "overlay", 0, opts)
+    linux.mount_overlay(str(target), ":".join(str(p) for p in lower), str(workspace / "upper"),
+                        str(workspace / "work"))
     try:
         linux.mount(None, str(target), None, linux.MS_PRIVATE)
     except OSError:

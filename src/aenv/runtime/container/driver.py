@@ -186,8 +186,6 @@ class ContainerDriver:
         self._live: dict[str, LiveProcess] = {}
         self._criu_version: str | None = None  # checked once, on the first checkpoint
         self._tasks: set[asyncio.Task[None]] = set()
-        # Paused sandboxes whose root filesystem is still being unmounted: see pause().
-        self._unmounting: dict[str, asyncio.Task[None]] = {}
         self._creating: set[str] = set()
         self._host_netns = -1
         self._network_started = False
@@ -796,22 +794,12 @@ class ContainerDriver:
         await self._require_criu()
         data = dict(handle.data)
         images = Path(data["workspace"]) / "checkpoints" / f"pause-{time.time_ns()}"
-        # Whoever drops the last reference to the sandbox's mount namespace unmounts its
-        # overlay root, and overlayfs then syncs the whole upper filesystem: CRIU's fresh
-        # image included, 100-200 ms for a sandbox holding 100 MiB, which criu's exit would
-        # spend inside the pause. Holding a reference here moves that to the background.
-        mount_ns = os.open(f"/proc/{live.pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            stats = await checkpoint.dump(
-                live.pid, images, freezer=self.cgroups.path("freezer", sid),
-                leave_running=False, bundle=self.bundle,
-                bundle_version=data.get("bundle_version"),
-                external_netns=bool(data.get("slot")))
-        except BaseException:
-            os.close(mount_ns)  # the sandbox still runs (or is gone): nothing to unmount
-            raise
-        self._unmount_later(sid, mount_ns)
+        stats = await checkpoint.dump(live.pid, images, freezer=self.cgroups.path("freezer", sid),
+                                      leave_running=False, bundle=self.bundle,
+                                      bundle_version=data.get("bundle_version"),
+                                      external_netns=bool(data.get("slot")))
         self.last_timings = {"frozen": stats.frozen_s, "total": stats.total_s}
+        self._sync_later(Path(data["workspace"]))
         self._live.pop(sid, None)
         live.close_netns()
         if data.get("slot"):
@@ -820,26 +808,20 @@ class ContainerDriver:
         data.update(pid=None, start_time=None, slot=None, address=None, images=str(images))
         return RuntimeHandle(self.name, sid, data)
 
-    def _unmount_later(self, sid: str, mount_ns: int) -> None:
-        """Close `mount_ns`, the last reference to a dead sandbox's mount namespace, in a
-        thread: the kernel unmounts (and syncs) its root there. See _unmounted()."""
-        task = asyncio.get_running_loop().create_task(asyncio.to_thread(os.close, mount_ns))
-        self._unmounting[sid] = task
-        self._tasks.add(task)
+    def _sync_later(self, workspace: Path) -> None:
+        """Write a paused sandbox's image and writable layer to disk, off the pause's path:
+        its overlay was volatile (linux.mount_overlay), so nothing else syncs them."""
+        def sync() -> None:
+            try:
+                fd = os.open(workspace, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                return  # killed meanwhile
+            try:
+                linux.syncfs(fd)
+            finally:
+                os.close(fd)
 
-        def done(finished: asyncio.Task[None]) -> None:
-            self._tasks.discard(finished)
-            if self._unmounting.get(sid) is finished:
-                del self._unmounting[sid]
-
-        task.add_done_callback(done)
-
-    async def _unmounted(self, sid: str) -> None:
-        """Wait until the root filesystem of `sid`'s paused tree is unmounted, before anything
-        mounts its upper again (a resume) or removes it."""
-        task = self._unmounting.get(sid)
-        if task is not None:
-            await asyncio.shield(task)
+        self._background(asyncio.to_thread(sync))
 
     def paused_state(self, handle: RuntimeHandle) -> dict[str, Path]:
         """The checkpoint image and the writable layer (the upper, as the pause left it)."""
@@ -867,7 +849,6 @@ class ContainerDriver:
         if not images or not Path(images).is_dir():
             raise AenvError(ErrorCode.NOT_FOUND, f"sandbox {sid}: no paused image to resume from")
         await self._require_criu()
-        await self._unmounted(sid)
         if not self.cgroups.exists(sid):  # gone with a host reboot, or never on this node
             await asyncio.to_thread(checkpoint.create_cgroups, self.cgroups, sid,
                                     memory_mb=spec.memory_mb, cpu_count=spec.cpu_count,
@@ -987,7 +968,6 @@ class ContainerDriver:
         live = self._live.pop(sandbox_id, None)
         if live is not None:
             live.close_netns()
-        await self._unmounted(sandbox_id)
         if pid is not None:
             # The kernel then kills the init's whole pid namespace; the fork-server (or the
             # host's init) reaps it.

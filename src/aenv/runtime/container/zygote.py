@@ -410,7 +410,7 @@ def _become_sandbox(cfg: dict[str, Any], name: str, spec: dict[str, Any], chan: 
     # Mounted over the workspace directory itself: any directory of our private mount
     # namespace will do as the future root, and this one costs no extra inode.
     lower = ":".join(spec["lower"])
-    linux.mount("overlay", ws, "overlay", 0, f"lowerdir={lower},upperdir={upper},workdir={work}")
+    linux.mount_overlay(ws, lower, upper, work)
     laps("overlay")
     os.chdir(ws)
     linux.pivot_root(".", ".")
