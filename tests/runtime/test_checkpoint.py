@@ -518,3 +518,37 @@ async def test_a_sandbox_root_is_volatile_and_is_mounted_again_after_each_pause(
         handle = await driver.resume(await driver.pause(handle), spec)
         assert (await run(driver, handle, "cat /root/f")).stdout == "kept\n"
     assert (Path(handle.data["workspace"]) / "work" / "work" / "incompat" / "volatile").is_dir()
+
+
+def _dirty_pages(path: Path) -> int:
+    """Dirty page-cache pages of a file, by cachestat(2) (Linux 6.5)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    whole = (ctypes.c_uint64 * 2)(0, 0)  # offset 0, length 0: to the end
+    stat = (ctypes.c_uint64 * 5)()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if libc.syscall(451, fd, ctypes.byref(whole), ctypes.byref(stat), 0) != 0:
+            raise OSError(ctypes.get_errno(), "cachestat")
+    finally:
+        os.close(fd)
+    return int(stat[1])
+
+
+@pytest.mark.slow
+async def test_a_paused_sandbox_is_on_disk_a_moment_after_its_pause(
+        driver: ContainerDriver, create: CreateFn) -> None:
+    """With volatile overlays nothing syncs a workspace by itself: the driver writes a
+    paused sandbox's image out once it has stayed paused PAUSED_SYNC_DELAY_S."""
+    from aenv.runtime.container.driver import PAUSED_SYNC_DELAY_S
+
+    handle = await create()
+    await run(driver, handle, "(nohup python3 -c 'import os, time; "
+                              "b = bytearray(os.urandom(1)) * (16 << 20); time.sleep(1e9)' "
+                              ">/dev/null 2>&1 &); sleep 0.5")
+    paused = await driver.pause(handle)
+    pages = max(Path(paused.data["images"]).glob("pages-*.img"), key=lambda p: p.stat().st_size)
+    assert _dirty_pages(pages) > 0  # just written, in the page cache
+    await asyncio.sleep(PAUSED_SYNC_DELAY_S + 1.0)
+    assert _dirty_pages(pages) == 0

@@ -61,6 +61,9 @@ from aenv.runtime.process import LiveProcess, kill_and_wait
 
 _ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")  # a hostname label and a path component
 _POOL_PREFIX = "pool-"
+# How long a sandbox stays paused before its state is synced to disk (the same delay as the
+# upload to the repository, orchestrator/paused.py).
+PAUSED_SYNC_DELAY_S = 1.0
 _pool_numbers = itertools.count(1)  # process-wide: several drivers may share a process
 
 
@@ -799,7 +802,7 @@ class ContainerDriver:
                                       bundle_version=data.get("bundle_version"),
                                       external_netns=bool(data.get("slot")))
         self.last_timings = {"frozen": stats.frozen_s, "total": stats.total_s}
-        self._sync_later(Path(data["workspace"]))
+        self._sync_later(sid, Path(data["workspace"]))
         self._live.pop(sid, None)
         live.close_netns()
         if data.get("slot"):
@@ -808,9 +811,11 @@ class ContainerDriver:
         data.update(pid=None, start_time=None, slot=None, address=None, images=str(images))
         return RuntimeHandle(self.name, sid, data)
 
-    def _sync_later(self, workspace: Path) -> None:
-        """Write a paused sandbox's image and writable layer to disk, off the pause's path:
-        its overlay was volatile (linux.mount_overlay), so nothing else syncs them."""
+    def _sync_later(self, sid: str, workspace: Path) -> None:
+        """Write a paused sandbox's image and writable layer to disk (its overlay was volatile,
+        see linux.mount_overlay, so nothing else syncs them): off the pause's path, and only
+        once it has stayed paused for PAUSED_SYNC_DELAY_S, so that a resume straight after
+        the pause does not compete with the writeback of the state it is about to read."""
         def sync() -> None:
             try:
                 fd = os.open(workspace, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -821,7 +826,12 @@ class ContainerDriver:
             finally:
                 os.close(fd)
 
-        self._background(asyncio.to_thread(sync))
+        async def later() -> None:
+            await asyncio.sleep(PAUSED_SYNC_DELAY_S)
+            if sid not in self._live:  # not resumed meanwhile
+                await asyncio.to_thread(sync)
+
+        self._background(later())
 
     def paused_state(self, handle: RuntimeHandle) -> dict[str, Path]:
         """The checkpoint image and the writable layer (the upper, as the pause left it)."""
