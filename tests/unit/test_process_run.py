@@ -14,6 +14,7 @@ import pytest
 import uvloop
 
 from aenv.runtime import process
+from aenv.runtime.container import linux
 
 LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 
@@ -103,3 +104,37 @@ def test_cancelled_caller_kills_the_program(loop_name: str, tmp_path: Path) -> N
 
     run_on(loop_name, cancel_it)
     assert not Path(f"/proc/{int(pidfile.read_text())}").exists()
+
+
+def test_kill_and_wait_returns_at_the_exit_even_before_the_parent_reaps(loop_name: str) -> None:
+    """The exit is what counts (memory and namespaces released), not the reaping: here the
+    parent (this test) reaps only afterwards."""
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "100"])
+    try:
+        started = linux.proc_start_time(child.pid)
+        t = time.monotonic()
+        run_on(loop_name, lambda: process.kill_and_wait(child.pid, started, "sleep", timeout=5))
+        assert time.monotonic() - t < 2
+        assert child.wait(timeout=1) == -9  # a zombie until now, killed by SIGKILL
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_kill_and_wait_spares_a_process_with_another_start_time(loop_name: str) -> None:
+    """A recorded (pid, start time) whose pid now names another process: not killed."""
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "100"])
+    try:
+        started = linux.proc_start_time(child.pid)
+        assert started is not None
+        run_on(loop_name, lambda: process.kill_and_wait(child.pid, started - 1, "sleep"))
+        assert child.poll() is None  # still running
+        run_on(loop_name, lambda: process.kill_and_wait(child.pid, None, "sleep"))
+        assert child.wait(timeout=1) == -9
+    finally:
+        child.kill()
+        child.wait()

@@ -97,20 +97,39 @@ class LiveProcess:
 async def kill_and_wait(pid: int, start_time: int | None, what: str,
                         timeout: float = 10.0) -> None:
     """SIGKILL `pid` if it is still the process that started at `start_time` (any, when None)
-    and wait until /proc no longer shows it; whoever is its parent reaps it. `what` names it in
-    the error raised when it outlives `timeout`."""
+    and wait until it has exited (its memory, mounts and namespaces released; a pid
+    namespace's init exits after every other process in it); whoever is its parent reaps it.
+    Through a pidfd: no pid reuse between check and kill, and the exit is seen when it
+    happens, not at the next poll. `what` names it in the error raised when it outlives
+    `timeout`."""
     current = linux.proc_start_time(pid)
     if current is None or (start_time is not None and current != start_time):
         return
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + timeout
-    delay = 0.001
-    while linux.proc_start_time(pid) == current:
-        if time.monotonic() > deadline:
-            raise AenvError(ErrorCode.INTERNAL, f"{what} {pid} did not die")
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 0.05)
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        if linux.proc_start_time(pid) != current:
+            return  # gone, and its pid reused, between the check and the open
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        loop = asyncio.get_running_loop()
+        exited: asyncio.Future[None] = loop.create_future()
+
+        def on_exit() -> None:
+            if not exited.done():
+                exited.set_result(None)
+
+        loop.add_reader(pidfd, on_exit)
+        try:
+            await asyncio.wait_for(exited, timeout)
+        except TimeoutError:
+            raise AenvError(ErrorCode.INTERNAL, f"{what} {pid} did not die") from None
+        finally:
+            loop.remove_reader(pidfd)
+    finally:
+        os.close(pidfd)
 
 
 @dataclass(frozen=True)
