@@ -18,6 +18,14 @@ container_only = pytest.mark.skipif(
     reason="container runtime mechanics")
 
 
+def runtime_env(**extra: str) -> dict[str, str]:
+    """The environment of a test's own server: `extra`, and the runtime under test."""
+    env = dict(extra)
+    if os.environ.get("AENV_TEST_RUNTIME"):
+        env["AENV_RUNTIME_DRIVER"] = os.environ["AENV_TEST_RUNTIME"]
+    return env
+
+
 def live_sandbox_ids(api: httpx.Client) -> set[str]:
     resp = api.get("/v2/sandboxes", params={"limit": 1000})
     assert resp.status_code == 200, resp.text
@@ -51,11 +59,14 @@ def wait_until(predicate: Callable[[], Any], timeout: float, interval: float = 0
 
 def lose_local_state(home: Path, sandbox_id: str) -> None:
     """What a node that lost a (stopped) paused sandbox's local files looks like: its
-    workspace (checkpoint image and writable layer) and its cgroups are gone."""
+    workspace (a container's checkpoint image and writable layer, a VM's saved state and
+    disk) and its cgroups (a container's) are gone."""
     from aenv.runtime.container import cgroups, layers
 
     workspace = home / "sandboxes" / sandbox_id
     assert workspace.is_dir(), workspace
     layers.remove_layer(workspace)
     for controller in cgroups.CONTROLLERS:
-        (cgroups.CGROUP_ROOT / controller / "aenv" / sandbox_id).rmdir()
+        path = cgroups.CGROUP_ROOT / controller / "aenv" / sandbox_id
+        if path.exists():
+            path.rmdir()

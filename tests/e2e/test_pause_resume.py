@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from e2b import Sandbox, SandboxQuery, SandboxState
-from e2e_helpers import container_only, lose_local_state, wait_until
+from e2e_helpers import container_only, lose_local_state, runtime_env, wait_until
 
 from aenv.devserver import ServerProcess, prepare_home, remove_home
 
@@ -115,7 +115,8 @@ def own_home() -> Iterator[Path]:
 
 @pytest.mark.slow
 def test_paused_sandbox_survives_kill_9_of_the_server(own_home: Path) -> None:
-    srv = ServerProcess(home=own_home, api_key="pause-key").start(ready_timeout=300)
+    srv = ServerProcess(home=own_home, api_key="pause-key",
+                        extra_env=runtime_env()).start(ready_timeout=300)
     opts = {"api_key": srv.api_key, "api_url": srv.url, "sandbox_url": srv.url}
     tag = {"e2e-pause-restart": uuid.uuid4().hex[:10]}
     try:
@@ -125,7 +126,8 @@ def test_paused_sandbox_survives_kill_9_of_the_server(own_home: Path) -> None:
         wait_until(lambda: s.files.exists("/tmp/counter"), 5, what="the counter")
         assert s.pause() is True
         srv.stop(sig=signal.SIGKILL)
-        srv = ServerProcess(home=own_home, port=srv.port, api_key=srv.api_key).start(ready_timeout=300)
+        srv = ServerProcess(home=own_home, port=srv.port, api_key=srv.api_key,
+                            extra_env=runtime_env()).start(ready_timeout=300)
         listed = Sandbox.list(query=SandboxQuery(metadata=tag), **opts).next_items()
         assert [(x.sandbox_id, x.state) for x in listed] == [(s.sandbox_id, SandboxState.PAUSED)]
         for _ in range(2):  # and it still pauses and resumes after the restart
@@ -194,13 +196,15 @@ def paused_entries(home: Path, sandbox_id: str) -> list[str]:
     return sorted(p.name for p in manifests.glob(f"paused-{sandbox_id}-*.json"))
 
 
-@container_only
 @pytest.mark.slow
 def test_a_paused_sandbox_survives_the_loss_of_its_local_files(own_home: Path) -> None:
-    """After a pause, the sandbox's checkpoint and writable layer go to the snapshot
-    repository in the background. A node that then loses the sandbox's workspace (image and
-    files) and its cgroups, and restarts, still resumes it: processes, memory and files."""
-    srv = ServerProcess(home=own_home, api_key="pause-key").start(ready_timeout=300)
+    """After a pause, the sandbox's paused state goes to the snapshot repository in the
+    background (a container: checkpoint image and writable layer, two entries; a VM: saved
+    state, RAM and disk, one). A node that then loses the sandbox's workspace and cgroups,
+    and restarts, still resumes it: processes, memory and files."""
+    entries = 2 if "AENV_RUNTIME_DRIVER" not in runtime_env() else 1
+    srv = ServerProcess(home=own_home, api_key="pause-key",
+                        extra_env=runtime_env()).start(ready_timeout=300)
     opts = {"api_key": srv.api_key, "api_url": srv.url, "sandbox_url": srv.url}
     try:
         s = Sandbox.create(timeout=300, **opts)
@@ -211,12 +215,12 @@ def test_a_paused_sandbox_survives_the_loss_of_its_local_files(own_home: Path) -
         secret, _ = ask(s)
         before = counter(s)
         assert s.pause() is True
-        wait_until(lambda: len(paused_entries(own_home, s.sandbox_id)) == 2, 30,
+        wait_until(lambda: len(paused_entries(own_home, s.sandbox_id)) == entries, 30,
                    what="the paused state in the repository")
         srv.stop(sig=signal.SIGKILL)
         lose_local_state(own_home, s.sandbox_id)
         srv = ServerProcess(home=own_home, port=srv.port, api_key=srv.api_key,
-                            extra_env={"AENV_SNAPSHOT_GC_INTERVAL_S": "2"}
+                            extra_env=runtime_env(AENV_SNAPSHOT_GC_INTERVAL_S="2")
                             ).start(ready_timeout=300)
         again = Sandbox.connect(s.sandbox_id, **opts)
         assert again.files.read("/home/user/keep.txt") == "survives the disk"
@@ -228,7 +232,7 @@ def test_a_paused_sandbox_survives_the_loss_of_its_local_files(own_home: Path) -
                    what="the paused state to leave the repository")
         # Killing a paused sandbox removes its copy too.
         assert again.pause() is True
-        wait_until(lambda: len(paused_entries(own_home, s.sandbox_id)) == 2, 30,
+        wait_until(lambda: len(paused_entries(own_home, s.sandbox_id)) == entries, 30,
                    what="the second pause's state in the repository")
         blobs = own_home / "repository" / "blobs"
         assert any(p.is_file() for p in blobs.rglob("*"))

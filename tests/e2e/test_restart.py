@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from e2b import Sandbox, SandboxQuery, SandboxState
+from e2e_helpers import runtime_env
 
 from aenv.devserver import ServerProcess, prepare_home, remove_home
 
@@ -24,7 +25,8 @@ def fresh_home() -> Iterator[Path]:
 
 def test_concurrent_creates_on_a_fresh_server(fresh_home: Path) -> None:
     """The very first creates of a new server arrive together (a batch job starting up)."""
-    srv = ServerProcess(home=fresh_home, api_key="fresh-key").start(ready_timeout=300)
+    srv = ServerProcess(home=fresh_home, api_key="fresh-key",
+                        extra_env=runtime_env()).start(ready_timeout=300)
     opts = {"api_key": srv.api_key, "api_url": srv.url, "sandbox_url": srv.url}
     created: list[Sandbox] = []
     errors: list[Exception] = []
@@ -49,7 +51,8 @@ def test_concurrent_creates_on_a_fresh_server(fresh_home: Path) -> None:
 @pytest.mark.slow
 def test_sandboxes_survive_a_server_restart(fresh_home: Path) -> None:
     home = fresh_home
-    srv = ServerProcess(home=home, api_key="restart-key").start(ready_timeout=300)
+    srv = ServerProcess(home=home, api_key="restart-key",
+                        extra_env=runtime_env()).start(ready_timeout=300)
     opts = {"api_key": srv.api_key, "api_url": srv.url, "sandbox_url": srv.url}
     tag = {"e2e-restart": uuid.uuid4().hex[:10]}
     try:
@@ -59,7 +62,8 @@ def test_sandboxes_survive_a_server_restart(fresh_home: Path) -> None:
         bg.disconnect()
 
         srv.stop()
-        srv = ServerProcess(home=home, port=srv.port, api_key=srv.api_key).start(ready_timeout=300)
+        srv = ServerProcess(home=home, port=srv.port, api_key=srv.api_key,
+                            extra_env=runtime_env()).start(ready_timeout=300)
 
         paginator = Sandbox.list(query=SandboxQuery(metadata=tag), **opts)
         listed = paginator.next_items()

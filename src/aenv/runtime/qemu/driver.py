@@ -60,6 +60,7 @@ from aenv.runtime.qemu.qmp import Qmp
 
 log = logging.getLogger(__name__)
 IMAGE_FORMAT = 1  # of a snapshot directory (vm.json)
+PAUSED_DISK = "disk.qcow2"  # in <vm>/paused/: the disk overlay as the pause left it
 # QEMU 7.2 caps migration at 32 MiB/s by default: far too slow for a local file.
 _MIGRATE_BANDWIDTH = 64 * 2**30
 
@@ -565,6 +566,12 @@ class QemuDriver:
             t_saved = time.monotonic()
             with contextlib.suppress(AenvError):
                 await qmp.execute("quit")
+        # The disk as the pause left it, under a second name beside the saved state: the
+        # paused state is then one directory (see paused_state()). No copy: a hard link.
+        saved_disk = paused / PAUSED_DISK
+        with contextlib.suppress(FileNotFoundError):
+            saved_disk.unlink()
+        os.link(boot.VmPaths(vm).disk, saved_disk)
         await self._cleanup(sid, data, remove_workspace=False)
         data.update(pid=None, start_time=None, netns=None, slot=None, ram=None,
                     paused=str(stream), paused_ram=str(ram_copy) if shared else None)
@@ -584,6 +591,15 @@ class QemuDriver:
         data.update(ram=str(self._new_ram_path(sid)), ram_shared=True,
                     internet=spec.allow_internet_access)
         try:
+            disk = boot.VmPaths(Path(data["vm"])).disk
+            if not disk.exists():  # a node that lost the workspace: back from the saved state
+                saved_disk = stream.parent / PAUSED_DISK
+                if not saved_disk.exists():
+                    raise AenvError(ErrorCode.NOT_FOUND, f"sandbox {sid}: its disk is gone")
+                await asyncio.to_thread(os.link, saved_disk, disk)
+            # The overlay names its base by path; on another node (or after the disk cache was
+            # cleared) that base is (re)built from the template's layers.
+            await images.point_overlay_at(disk, await self.root_images.get(spec.lower_layers))
             if saved_ram is not None:
                 await images.copy_sparse(saved_ram, Path(data["ram"]))
             async with self._starting:
@@ -600,6 +616,17 @@ class QemuDriver:
         await asyncio.to_thread(shutil.rmtree, stream.parent, True)
         self.last_timings = {"load": t_loaded - t0, "total": time.monotonic() - t0}
         return RuntimeHandle(self.name, sid, data)
+
+    def paused_state(self, handle: RuntimeHandle) -> dict[str, Path]:
+        """The directory a pause saved everything into: device state, RAM, and the disk
+        overlay (a hard link to it, so the disk is copied to the repository with the rest)."""
+        if not handle.data.get("paused"):
+            raise AenvError(ErrorCode.CONFLICT, f"sandbox {handle.sandbox_id} is not paused")
+        stream = Path(handle.data["paused"])  # <vm>/paused/state-<ns>: unique to this pause
+        return {f"pause-{stream.name.removeprefix('state-')}": stream.parent}
+
+    async def prepare_paused_state(self, handle: RuntimeHandle) -> None:
+        await asyncio.to_thread(Path(handle.data["vm"]).mkdir, parents=True, exist_ok=True)
 
     # -- snapshot / restore -----------------------------------------------------------------
     async def snapshot(self, handle: RuntimeHandle, images_dir: Path) -> dict[str, float]:
