@@ -11,6 +11,7 @@ import os
 from collections.abc import Iterator
 
 import pytest
+from sandbox_helpers import runtime_env
 
 from aenv.devserver import S3Server, ServerProcess, free_port, sdk_server
 
@@ -18,11 +19,7 @@ from aenv.devserver import S3Server, ServerProcess, free_port, sdk_server
 @pytest.fixture(scope="session")
 def server() -> Iterator[ServerProcess]:
     """One server for the whole session; tests must clean up the sandboxes they create."""
-    extra = {"AENV_SANDBOX_MAX_SANDBOXES": "200"}
-    # AENV_TEST_RUNTIME=qemu runs the same suites against the qemu (microVM) driver.
-    if os.environ.get("AENV_TEST_RUNTIME"):
-        extra["AENV_RUNTIME_DRIVER"] = os.environ["AENV_TEST_RUNTIME"]
-    with sdk_server(extra_env=extra) as srv:
+    with sdk_server(extra_env=runtime_env(AENV_SANDBOX_MAX_SANDBOXES="200")) as srv:
         yield srv
 
 

@@ -1,6 +1,6 @@
 """Helpers shared by the runtime suites (tests/runtime, tests/vm): talk to envd inside a sandbox
 over the socket a driver's `connect()` returns (raw HTTP/1.1, Connect JSON framing), and build a
-`SandboxSpec`. Importable as `sandbox_helpers` because tests/ has a conftest.py and no __init__.py
+`SandboxSpec`; and, for every suite that starts a server, its environment. Importable as `sandbox_helpers` because tests/ has a conftest.py and no __init__.py
 (pytest's default prepend import mode puts tests/ on sys.path)."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import secrets
 import string
 from dataclasses import dataclass
@@ -15,6 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from aenv.runtime.base import RuntimeDriver, RuntimeHandle, SandboxSpec
+
+
+def runtime_env(**extra: str) -> dict[str, str]:
+    """The environment of a test server: `extra`, and the runtime under test
+    (AENV_TEST_RUNTIME=qemu runs the same suites against the qemu driver)."""
+    env = dict(extra)
+    if os.environ.get("AENV_TEST_RUNTIME"):
+        env["AENV_RUNTIME_DRIVER"] = os.environ["AENV_TEST_RUNTIME"]
+    return env
 
 
 def new_id() -> str:

@@ -18,14 +18,6 @@ container_only = pytest.mark.skipif(
     reason="container runtime mechanics")
 
 
-def runtime_env(**extra: str) -> dict[str, str]:
-    """The environment of a test's own server: `extra`, and the runtime under test."""
-    env = dict(extra)
-    if os.environ.get("AENV_TEST_RUNTIME"):
-        env["AENV_RUNTIME_DRIVER"] = os.environ["AENV_TEST_RUNTIME"]
-    return env
-
-
 def live_sandbox_ids(api: httpx.Client) -> set[str]:
     resp = api.get("/v2/sandboxes", params={"limit": 1000})
     assert resp.status_code == 200, resp.text

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 from e2b import Sandbox, SandboxQuery, SandboxState
-from e2e_helpers import container_only, lose_local_state, runtime_env, wait_until
+from e2e_helpers import container_only, lose_local_state, wait_until
+from sandbox_helpers import runtime_env
 
 from aenv.devserver import ServerProcess, prepare_home, remove_home
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from e2b import Sandbox, SandboxQuery, SandboxState
-from e2e_helpers import runtime_env
+from sandbox_helpers import runtime_env
 
 from aenv.devserver import ServerProcess, prepare_home, remove_home
 

@@ -501,7 +501,6 @@ async def test_a_resumed_process_holds_no_more_memory_than_before(
     assert 64 << 10 <= after <= before + 1024, (before, after)
 
 
-
 @pytest.mark.slow
 async def test_a_sandbox_root_is_volatile_and_is_mounted_again_after_each_pause(
         driver: ContainerDriver, create: CreateFn, rootfs: Path, home: Path) -> None:

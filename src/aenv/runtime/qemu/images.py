@@ -119,12 +119,11 @@ def qcow2_backing(path: Path) -> tuple[str | None, str | None]:
     than the answer. ValueError if `path` is not a qcow2 image."""
     with open(path, "rb") as f:
         head = f.read(4096)
-    if len(head) < 72 or head[:4] != QCOW2_MAGIC:
-        raise ValueError(f"{path} is not a qcow2 image")
-    version, offset, size = struct.unpack_from(">IQI", head, 4)
-    name = None
-    if offset:
-        with open(path, "rb") as f:
+        if len(head) < 72 or head[:4] != QCOW2_MAGIC:
+            raise ValueError(f"{path} is not a qcow2 image")
+        version, offset, size = struct.unpack_from(">IQI", head, 4)
+        name = None
+        if offset:
             f.seek(offset)
             name = f.read(size).decode(errors="replace")
     fmt = None
