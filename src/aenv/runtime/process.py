@@ -114,22 +114,28 @@ async def kill_and_wait(pid: int, start_time: int | None, what: str,
             return  # gone, and its pid reused, between the check and the open
         with contextlib.suppress(ProcessLookupError):
             signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-        loop = asyncio.get_running_loop()
-        exited: asyncio.Future[None] = loop.create_future()
-
-        def on_exit() -> None:
-            if not exited.done():
-                exited.set_result(None)
-
-        loop.add_reader(pidfd, on_exit)
         try:
-            await asyncio.wait_for(exited, timeout)
+            await asyncio.wait_for(_exited(pidfd), timeout)
         except TimeoutError:
             raise AenvError(ErrorCode.INTERNAL, f"{what} {pid} did not die") from None
-        finally:
-            loop.remove_reader(pidfd)
     finally:
         os.close(pidfd)
+
+
+async def _exited(pidfd: int) -> None:
+    """Until the process of `pidfd` has exited (the pidfd turns readable), on the loop."""
+    loop = asyncio.get_running_loop()
+    exited: asyncio.Future[None] = loop.create_future()
+
+    def on_exit() -> None:
+        if not exited.done():
+            exited.set_result(None)
+
+    loop.add_reader(pidfd, on_exit)
+    try:
+        await exited
+    finally:
+        loop.remove_reader(pidfd)
 
 
 @dataclass(frozen=True)
@@ -182,25 +188,17 @@ async def run(argv: Sequence[str], *, env: dict[str, str] | None = None,
                 chunks.append(chunk)
             loop.remove_reader(read_fd)  # end of file
 
-    exited: asyncio.Future[None] = loop.create_future()
-
-    def on_exit() -> None:
-        if not exited.done():
-            exited.set_result(None)
-
-    loop.add_reader(pidfd, on_exit)
     if read_fd is not None:
         os.set_blocking(read_fd, False)
         loop.add_reader(read_fd, drain)
     try:
         async with asyncio.timeout(timeout):
-            await exited
+            await _exited(pidfd)
     except BaseException:
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
         raise
     finally:
-        loop.remove_reader(pidfd)
         os.close(pidfd)
         if read_fd is not None:
             drain()  # what is left (a grandchild holding the pipe open does not hold us up)
