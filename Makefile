@@ -4,7 +4,7 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-APT_PACKAGES := debootstrap nftables iproute2 procps libc-bin binutils btrfs-progs docker-registry skopeo apache2-utils busybox-static zstd libfuse2
+APT_PACKAGES := debootstrap nftables iproute2 procps libc-bin binutils btrfs-progs docker-registry skopeo apache2-utils busybox-static zstd libfuse2 libseccomp2
 STAMP := $(VENV)/.installed
 BUNDLE := /opt/aenv/runtime/py311/.complete
 CRIU := /usr/local/sbin/criu
@@ -12,9 +12,10 @@ CRIU_VERSION := 4.2.1
 # The e2e suites run a second time against the qemu runtime (AENV_TEST_RUNTIME=qemu).
 E2E_QEMU := tests/e2e/test_sdk_sync.py tests/e2e/test_sdk_async.py tests/e2e/test_pause_resume.py \
 	tests/e2e/test_snapshot_fork.py tests/e2e/test_restart.py tests/e2e/test_isolation.py \
-	tests/e2e/test_cli.py tests/e2e/test_api_errors.py
+	tests/e2e/test_cli.py tests/e2e/test_api_errors.py tests/e2e/test_websocket.py \
+	tests/e2e/test_proxy_wire.py
 
-.PHONY: install criu run test test-fast bench lint clean vm test-vm test-e2e-qemu bench-vm
+.PHONY: install criu run test test-fast test-js bench lint clean vm test-vm test-e2e-qemu bench-vm
 
 install: $(STAMP) $(BUNDLE) criu vm
 
@@ -33,7 +34,7 @@ $(STAMP): pyproject.toml
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	fi
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,rollouts]'
 	@touch $(STAMP)
 
 $(BUNDLE): $(STAMP) $(shell find src/aenv/envd -name "*.py" 2>/dev/null) src/aenv/runtime/pybundle.py src/aenv/runtime/container/zygote.py src/aenv/runtime/container/linux.py
@@ -44,6 +45,19 @@ run: install
 
 test: install
 	$(PY) -m pytest -q -ra
+	$(MAKE) test-js
+
+# The official JavaScript SDK (npm e2b, pinned in tests/js/package-lock.json) against a real
+# server: tests/js/*.test.mjs under node's test runner. Needs Node >= 20.18.1 (e2b's engines;
+# Debian 12's nodejs is 18: install Node 20 from nodejs.org or NodeSource).
+JS_DEPS := tests/js/node_modules/.package-lock.json
+test-js: install $(JS_DEPS)
+	$(PY) tests/js/run.py
+
+$(JS_DEPS): tests/js/package.json tests/js/package-lock.json
+	@node -e 'const [a,b]=process.versions.node.split(".").map(Number); process.exit(a>20||(a===20&&b>=18)?0:1)' \
+	  || { echo "make test-js: Node >= 20.18.1 is needed (found $$(node --version 2>/dev/null || echo none))"; exit 1; }
+	cd tests/js && npm ci --no-audit --no-fund
 
 test-fast: install
 	$(PY) -m pytest -q -ra -m "not slow"

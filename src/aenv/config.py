@@ -47,6 +47,17 @@ class SandboxDefaults:
     max_sandboxes: int = 1000  # live sandboxes per node
     default_user: str = "user"
     envd_port: int = 49983
+    # A running sandbox whose process died is noticed within this (drivers with
+    # `LivenessDriver`), and removed with the reason; 0: never checked.
+    liveness_interval_ms: int = 1000
+    # Every running sandbox's envd is asked for /health this often (0: never); one that has
+    # not answered for `envd_unanswered_s` is reported dead and removed.
+    envd_check_interval_s: int = 5
+    envd_unanswered_s: int = 60
+    # Build the built-in `code-interpreter-v1` template (when missing) in the background at
+    # server start, so that e2b-code-interpreter's first `Sandbox.create()` does not wait for
+    # it past the SDK's 60 s request timeout; off, the first create naming it builds it.
+    code_interpreter_prebuild: bool = True
 
 
 @dataclass
@@ -109,6 +120,43 @@ class ImagesConfig:
 
 
 @dataclass
+class SecurityConfig:
+    """Isolation measures of container sandboxes (docs/security.md); off only to measure them."""
+
+    # The seccomp filter of `runtime/container/seccomp.py` on everything a sandbox runs
+    # (`AENV_SECURITY_SECCOMP=0` turns it off).
+    seccomp: bool = True
+    # User namespaces (runtime/container/zygote.py `_enter_userns`): root in a container
+    # sandbox is uid `userns_host_id` on the host, ids 0..userns_size-1 map to
+    # userns_host_id.. . One range per node, the same default everywhere: writable and
+    # sealed layers hold these shifted ids on disk, and a sealed layer moved to another
+    # node keeps its meaning. Each sandbox still gets a user namespace object of its own.
+    # Trade-off (as Docker's userns-remap): sandboxes share kernel uids, so a file one
+    # sandbox's root owns is owned by every sandbox's root; pid, mount, ipc and network
+    # namespaces (each sandbox's own, owned by the host's user namespace) keep them apart,
+    # and capabilities count only in a sandbox's own user namespace. A range per sandbox
+    # would need every sealed layer re-idmapped (or copied) for each child that stacks it.
+    userns: bool = False  # off by default: CRIU 4.2.1 cannot checkpoint them (docs/criu-notes.md)
+    userns_host_id: int = 1_000_000
+    userns_size: int = 65536
+
+
+@dataclass
+class StorageConfig:
+    """Where sandboxes' writable layers, sealed layers and snapshots live (`storage/volume.py`)."""
+
+    # "auto": if AENV_HOME's filesystem is not btrfs, they go on a btrfs filesystem in a sparse
+    # file, loop-mounted at $home/volume (nosuid, nodev): snapshots and forks then seal a
+    # writable layer in O(1), and each sandbox's disk size is enforced (simple quotas). The
+    # database and secrets stay on the home's own filesystem, so a full volume never stops
+    # the server. "off": everything on the home's filesystem (on ext4 a seal copies the
+    # writable layer, and disk sizes are not enforced).
+    volume: str = "auto"
+    volume_size_gb: int = 0  # GiB, sparse; 0: 3/4 of the free space where the image is made
+    volume_image: str = ""  # the backing file; "" = $home/volume.img
+
+
+@dataclass
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     sandbox: SandboxDefaults = field(default_factory=SandboxDefaults)
@@ -116,6 +164,8 @@ class Config:
     network: NetworkConfig = field(default_factory=NetworkConfig)
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
     images: ImagesConfig = field(default_factory=ImagesConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     @property
     def home(self) -> Path:

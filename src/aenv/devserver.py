@@ -57,7 +57,9 @@ class ServerProcess:
                 "E2B_SANDBOX_URL": self.url, "NO_PROXY": "127.0.0.1,localhost"}
 
     def start(self, ready_timeout: float = 900.0, show_output: bool = False) -> Self:
-        env = {**os.environ, "AENV_HOME": str(self.home), "AENV_API_KEY": self.api_key,
+        # Test and benchmark servers build code-interpreter-v1 only when a create asks for it.
+        env = {"AENV_SANDBOX_CODE_INTERPRETER_PREBUILD": "0",
+               **os.environ, "AENV_HOME": str(self.home), "AENV_API_KEY": self.api_key,
                **self.extra_env}
         self.home.mkdir(parents=True, exist_ok=True)
         out: int | IO[bytes] | None = None
@@ -134,22 +136,35 @@ def run_with_server(prefix: str, title: str,
 
 
 @contextlib.contextmanager
-def sdk_server(prefix: str = "aenv-test-", extra_env: dict[str, str] | None = None,
-               ready_timeout: float = 300.0) -> Iterator[ServerProcess]:
-    """Tests' and benchmarks' frame: a fresh home and a started server with the SDK's environment pointed at
-    it; afterwards its sandboxes, the server, the environment change and the home are undone."""
+def own_server(prefix: str = "aenv-test-", extra_env: dict[str, str] | None = None,
+               ready_timeout: float = 300.0, api_key: str = "aenv_test_key"
+               ) -> Iterator[ServerProcess]:
+    """A fresh home and a started server on it, for a test that needs a server configured its
+    own way (the SDK's environment untouched: pass its url and key); afterwards the server
+    and the home are removed."""
     home = prepare_home(prefix)
-    server = ServerProcess(home=home, extra_env=extra_env or {})
-    saved = dict(os.environ)
+    server = ServerProcess(home=home, api_key=api_key, extra_env=extra_env or {})
     try:
         server.start(ready_timeout=ready_timeout)
-        os.environ.update(server.sdk_env())
         yield server
     finally:
         server.shutdown()
+        remove_home(home)
+
+
+@contextlib.contextmanager
+def sdk_server(prefix: str = "aenv-test-", extra_env: dict[str, str] | None = None,
+               ready_timeout: float = 300.0) -> Iterator[ServerProcess]:
+    """Tests' and benchmarks' frame: `own_server` with the SDK's environment pointed at it;
+    afterwards its sandboxes, the server, the environment change and the home are undone."""
+    saved = dict(os.environ)
+    try:
+        with own_server(prefix, extra_env, ready_timeout) as server:
+            os.environ.update(server.sdk_env())
+            yield server
+    finally:
         os.environ.clear()
         os.environ.update(saved)
-        remove_home(home)
 
 
 def layer_cache() -> Path:
@@ -172,18 +187,26 @@ def prepare_home(prefix: str = "aenv-test-") -> Path:
     base = base_layer()
     home = Path(tempfile.mkdtemp(prefix=prefix))
     # On btrfs (a loop volume when the host filesystem is not), snapshots and forks seal a
-    # sandbox's writable layer in O(1): the product's intended setup. AENV_TEST_FS=host
-    # keeps the home on the host filesystem (the copy fallback).
+    # sandbox's writable layer in O(1). AENV_TEST_FS=ext4 (or host) keeps the home on the
+    # host filesystem, as a default install: the server then puts sandbox storage on its
+    # managed volume (storage.volume = "auto"), or copies with AENV_STORAGE_VOLUME=off.
     if os.environ.get("AENV_TEST_FS", "btrfs") == "btrfs" and btrfs_available():
         mount_btrfs_volume(home)
     (home / "layers").mkdir()
     (home / "layers" / base.name).symlink_to(base)
+    # The code interpreter template's wheels (pip download on the host), also once per machine.
+    wheelhouse = layer_cache().parent / "cache" / "wheelhouse"
+    wheelhouse.mkdir(parents=True, exist_ok=True)
+    (home / "cache").mkdir()
+    (home / "cache" / "wheelhouse").symlink_to(wheelhouse)
     return home
 
 
 def remove_home(home: Path) -> None:
     """Undo prepare_home()."""
-    from aenv.storage.volume import unmount_volume
+    from aenv.storage.volume import detach_storage, unmount_volume
 
+    detach_storage(home)  # the server's managed volume, if it made one
     unmount_volume(home)
+    detach_storage(home)  # the volume again, if a mount over the home (a bind) hid it
     shutil.rmtree(home, ignore_errors=True)

@@ -248,3 +248,188 @@ def test_pause_resume_fork_snapshot(started: dict[str, str], cli_env: dict[str, 
     finally:
         for kid in kids:
             api.delete(f"/sandboxes/{kid}")
+
+
+def test_start_with_cpu_memory_timeout(cli_env: dict[str, str], api: httpx.Client) -> None:
+    proc = aenv(cli_env, "start", "--cpu", "1", "--memory", "256", "--timeout", "60", "--detach",
+                "-o", "json")
+    assert proc.returncode == 0, proc.stderr
+    sid = json.loads(proc.stdout)["sandboxID"]
+    try:
+        info = api.get(f"/sandboxes/{sid}").json()
+        assert (info["cpuCount"], info["memoryMB"]) == (1, 256)
+        if info.get("runtime") == "container":  # and the kernel enforces them (cgroups v1)
+            cgroup = Path("/sys/fs/cgroup")
+            limit = (cgroup / "memory" / "aenv" / sid / "memory.limit_in_bytes").read_text()
+            assert int(limit) == 256 << 20
+            quota = (cgroup / "cpu" / "aenv" / sid / "cpu.cfs_quota_us").read_text()
+            period = (cgroup / "cpu" / "aenv" / sid / "cpu.cfs_period_us").read_text()
+            assert int(quota) == int(period)  # one CPU
+        end = datetime.fromisoformat(info["endAt"])
+        assert abs((end - datetime.now(UTC)) - timedelta(seconds=60)) < timedelta(seconds=15)
+        # a different shape gives different limits (the values are not just the defaults)
+        proc = aenv(cli_env, "start", "--memory", "384", "-d", "-o", "json")
+        assert proc.returncode == 0, proc.stderr
+        other = json.loads(proc.stdout)["sandboxID"]
+        assert api.get(f"/sandboxes/{other}").json()["memoryMB"] == 384
+        api.delete(f"/sandboxes/{other}")
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+    assert_clean_error(aenv(cli_env, "start", "--memory", "1", "-d"), "memoryMB")
+    proc = aenv(cli_env, "start", "--cpu", "many", "-d")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def test_upload_download_round_trip(started: dict[str, str], cli_env: dict[str, str],
+                                    tmp_path: Path) -> None:
+    sid = started["sandboxID"]
+    big = tmp_path / "big.bin"
+    with big.open("wb") as f:
+        for _ in range(20):
+            f.write(os.urandom(1 << 20))
+    proc = aenv(cli_env, "upload", sid, str(big), "/home/user/data/big.bin", "-o", "json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["bytes"] == 20 << 20
+    assert "upload big.bin" in proc.stderr and "100%" in proc.stderr  # the progress bar
+    remote_sum = aenv(cli_env, "exec", sid, "--", "sha256sum", "/home/user/data/big.bin")
+    assert remote_sum.stdout.split()[0] == _sha256(big), remote_sum.stderr
+
+    back = tmp_path / "back.bin"
+    proc = aenv(cli_env, "download", sid, "/home/user/data/big.bin", str(back))
+    assert proc.returncode == 0, proc.stderr
+    assert back.stat().st_size == 20 << 20 and _sha256(back) == _sha256(big)
+    assert "100%" in proc.stderr
+    # into an existing directory: the remote name is kept; no temporary files are left
+    (tmp_path / "into").mkdir()
+    proc = aenv(cli_env, "download", sid, "/home/user/data/big.bin", str(tmp_path / "into"))
+    assert proc.returncode == 0, proc.stderr
+    assert os.listdir(tmp_path / "into") == ["big.bin"]
+    assert _sha256(tmp_path / "into" / "big.bin") == _sha256(big)
+
+    # directories travel as tar archives, both ways
+    tree = tmp_path / "tree"
+    (tree / "sub").mkdir(parents=True)
+    (tree / "a.txt").write_text("alpha\n")
+    (tree / "sub" / "b.txt").write_text("beta\n")
+    proc = aenv(cli_env, "upload", sid, str(tree), "/home/user/tree")
+    assert proc.returncode == 0, proc.stderr
+    out = aenv(cli_env, "exec", sid, "--", "sh", "-c",
+               "cat /home/user/tree/a.txt /home/user/tree/sub/b.txt; stat -c %U /home/user/tree/sub/b.txt;"
+               " ls -a /tmp | grep -c aenv-upload")
+    assert out.stdout.split() == ["alpha", "beta", "user", "0"], out.stderr
+    proc = aenv(cli_env, "download", sid, "/home/user/tree", str(tmp_path / "tree-back"))
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "tree-back" / "sub" / "b.txt").read_text() == "beta\n"
+    assert (tmp_path / "tree-back" / "a.txt").read_text() == "alpha\n"
+
+    # bad input: one line on stderr, exit 1, no traceback, nothing written
+    assert_clean_error(aenv(cli_env, "upload", sid, str(tmp_path / "missing.bin"), "/tmp/x"),
+                       "missing.bin", "no such file")
+    assert_clean_error(aenv(cli_env, "download", sid, "/home/user/nope.bin",
+                            str(tmp_path / "nope.bin")), "does not exist")
+    assert not (tmp_path / "nope.bin").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    assert_clean_error(aenv(cli_env, "upload", sid, str(big), "/etc/passwd"), "permission")
+    unknown = "zzzzzzzzzzzzzzzzzzzz"
+    assert_clean_error(aenv(cli_env, "upload", unknown, str(big), "/tmp/x"), "not found")
+    assert_clean_error(aenv(cli_env, "download", unknown, "/tmp/x", str(tmp_path / "x")),
+                       "not found")
+    proc = aenv(cli_env, "-o", "json", "download", unknown, "/tmp/x", str(tmp_path / "x"))
+    assert proc.returncode == 1 and "not found" in json.loads(proc.stderr)["error"]["message"]
+
+
+def _drive_pty(argv: list[str], env: dict[str, str], send: bytes, timeout: float = 60
+               ) -> tuple[int, bytes]:
+    """Run `argv` on a fresh pseudo-terminal, type `send` once the remote shell has
+    printed something, and collect everything until the command exits."""
+    import pty
+    import select
+    import time
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: becomes the CLI, the pty is its terminal
+        os.execve(argv[0], argv, env)
+    output, sent, deadline = b"", False, time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([fd], [], [], 0.5)
+            if ready:
+                try:
+                    chunk = os.read(fd, 65536)
+                except OSError:  # EIO: the child closed the terminal
+                    break
+                if not chunk:
+                    break
+                output += chunk
+            # after the "connected" line, the shell's prompt: now input reaches bash
+            if not sent and b"connected to sandbox" in output and output.rstrip().endswith(
+                    (b"$", b"#")):
+                os.write(fd, send)
+                sent = True
+        else:
+            os.kill(pid, 9)
+    finally:
+        _, status = os.waitpid(pid, 0)
+        os.close(fd)
+    return os.waitstatus_to_exitcode(status), output
+
+
+def test_connect_attaches_a_shell(started: dict[str, str], cli_env: dict[str, str],
+                                  api: httpx.Client) -> None:
+    sid = started["sandboxID"]
+    code, output = _drive_pty([AENV, "connect", sid], {**cli_env, "TERM": "dumb"},
+                              b"echo marker-$((6*7)) $(id -un); exit 7\n")
+    text = output.decode(errors="replace")
+    assert "marker-42 user" in text, text  # the arithmetic ran: not just the echoed input
+    assert code == 7, text
+    # leaving the shell leaves the sandbox running
+    assert api.get(f"/sandboxes/{sid}").json()["state"] == "running"
+    assert_clean_error(aenv(cli_env, "connect", "zzzzzzzzzzzzzzzzzzzz"), "not found")
+
+
+def test_template_watch(cli_env: dict[str, str], api: httpx.Client, run_id: str) -> None:
+    name = f"cli-watch-{run_id}"
+    requested = api.post("/v3/templates", json={"name": name})
+    assert requested.status_code == 202, requested.text
+    template_id, build_id = requested.json()["templateID"], requested.json()["buildID"]
+    try:
+        started = api.post(f"/v2/templates/{template_id}/builds/{build_id}", json={
+            "fromTemplate": "base",
+            "steps": [{"type": "RUN", "args": ["sleep 1; echo watch-marker-$((6*7))"]}]})
+        assert started.status_code == 202, started.text
+        proc = aenv(cli_env, "template", "watch", name, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        assert "watch-marker-42" in proc.stderr, proc.stderr
+        assert proc.stdout.strip() == f"build {build_id}: ready"
+        assert api.get(f"/templates/{template_id}/builds/{build_id}/status").json()[
+            "status"] == "ready"
+        # a finished build: its whole log again, and the result as JSON
+        proc = aenv(cli_env, "template", "watch", template_id, build_id, "-o", "json")
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout) == {"templateID": template_id, "buildID": build_id,
+                                           "status": "ready"}
+        assert "watch-marker-42" in proc.stderr
+
+        # a failing build: exit 1 and the reason
+        rebuild = api.post("/v3/templates", json={"name": name}).json()
+        assert rebuild["templateID"] == template_id
+        api.post(f"/v2/templates/{template_id}/builds/{rebuild['buildID']}", json={
+            "fromTemplate": "base", "steps": [{"type": "RUN", "args": ["exit 3"]}]})
+        proc = aenv(cli_env, "template", "watch", name, timeout=300)
+        assert proc.returncode == 1, (proc.stdout, proc.stderr)
+        assert proc.stdout.startswith(f"build {rebuild['buildID']}: error"), proc.stdout
+        assert "Traceback" not in proc.stderr
+    finally:
+        api.delete(f"/templates/{template_id}")
+    assert_clean_error(aenv(cli_env, "template", "watch", f"no-such-{run_id}"), "not found")
+    assert_clean_error(aenv(cli_env, "template", "watch"), "template watch needs")

@@ -55,6 +55,9 @@ def test_snapshots_live_in_s3_and_come_back_to_a_node_that_lost_them(
         source.files.write("/home/user/payload.bin", payload)
         snap = source.create_snapshot(name=name, **opts)
         source.kill()
+        # pushed in the background: the snapshot's manifest is written last
+        wait_until(lambda: f"meta/manifests/{snap.snapshot_id}.json" in _keys(
+            s3_server, prefix + "/"), 120, what="the snapshot in the bucket")
         stored = _keys(s3_server, prefix + "/")
         manifests = {k for k in stored if k.startswith("meta/manifests/")}
         assert f"meta/manifests/{snap.snapshot_id}.json" in manifests, stored

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import grp
 import gzip
 import io
 import os
@@ -17,9 +18,10 @@ from e2b import (
     FileType,
     InvalidArgumentException,
     Sandbox,
+    SandboxException,
 )
 from e2b.sandbox.filesystem.filesystem import WriteEntry
-from envd_helpers import Envd, make_sandbox
+from envd_helpers import TEST_GROUP, Envd, make_sandbox
 
 
 def test_write_and_read_text_and_bytes(sbx: Sandbox, work: Path) -> None:
@@ -249,3 +251,25 @@ def test_duplicate_paths_in_one_upload(envd: Envd, work: Path) -> None:
         headers=envd.headers(),
     )
     assert response.status_code == 400 and "multiple files to the same path" in response.json()["message"]
+
+
+def test_files_are_opened_with_the_users_credentials(sbx: Sandbox, work: Path) -> None:
+    """The kernel decides, as for the user's own processes: its uid, its primary group and
+    its supplementary groups (envd sets all three on its thread for the operation)."""
+    secret, shared = work / "root-only.txt", work / "group-shared.txt"
+    secret.write_text("s")
+    os.chmod(secret, 0o600)
+    shared.write_text("g")
+    os.chown(shared, 0, grp.getgrnam(TEST_GROUP).gr_gid)  # the user is only a member
+    os.chmod(shared, 0o640)
+    with pytest.raises(SandboxException) as error:
+        sbx.files.read(str(secret))
+    assert "403" in str(error.value) and "Permission denied" in str(error.value), error.value
+    with pytest.raises(SandboxException):
+        sbx.files.write(str(secret), "overwritten")
+    assert secret.read_text() == "s"
+    assert sbx.files.read(str(shared)) == "g"  # through the supplementary group
+    assert sbx.files.read(str(secret), user="root") == "s"  # root keeps full access
+    # envd itself is root again after each operation: a root-only upload still works
+    sbx.files.write(str(secret), "by root", user="root")
+    assert secret.read_text() == "by root" and secret.stat().st_uid == 0

@@ -96,8 +96,11 @@ def test_remove_does_not_follow_symlinks(sbx: Sandbox, work: Path) -> None:
     (work / "keep/precious.txt").write_text("p")
     (work / "tree").mkdir()
     (work / "tree/link").symlink_to(work / "keep")
+    owner = (work.stat().st_uid, work.stat().st_gid)
+    os.chown(work / "tree", *owner)  # the user's directory: the user may empty it
     sbx.files.remove(f"{work}/tree")
     assert (work / "keep/precious.txt").exists()
+    assert not (work / "tree").exists()
 
 
 def _wait_events(handle, want: set[tuple[str, FilesystemEventType]], timeout: float = 5):  # type: ignore[no-untyped-def]

@@ -150,6 +150,15 @@ def test_keep_alive_and_query_decoding(envd: Envd, work: Path) -> None:
         assert raw.text == "spaced"
 
 
+def test_head_states_the_length_and_keeps_the_connection(envd: Envd, work: Path) -> None:
+    (work / "sized.txt").write_text("0123456789")
+    with httpx.Client(base_url=envd.url, headers=envd.headers()) as client:
+        head = client.head("/files", params={"path": f"{work}/sized.txt"})
+        assert head.status_code == 200
+        assert head.headers["content-length"] == "10" and head.content == b""
+        assert client.get("/files", params={"path": f"{work}/sized.txt"}).text == "0123456789"
+
+
 def test_expect_continue_upload_with_curl(envd: Envd, work: Path) -> None:
     source = work / "source.bin"
     source.write_bytes(b"z" * (2 * 1024 * 1024))

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import CreateFn, make_config
+from net_helpers import in_netns, outside_host
 from runtime_helpers import cgroup_read, spec_for
 from sandbox_helpers import http, new_id, run
 
@@ -25,6 +26,7 @@ from aenv.errors import AenvError, ErrorCode
 from aenv.runtime.base import RuntimeDriver, RuntimeHandle, SandboxSpec
 from aenv.runtime.container.checkpoint import CRIU
 from aenv.runtime.container.driver import ContainerDriver
+from aenv.runtime.container.network import BRIDGE_MAC
 from aenv.runtime.pybundle import BUNDLE_DIR
 
 CONTROLLERS = ("memory", "cpu", "cpuacct", "pids", "freezer", "devices")
@@ -318,23 +320,26 @@ def _listen_on_host(address: str) -> socket.socket:
 async def test_internet_access_on_and_off(driver: ContainerDriver, create: CreateFn) -> None:
     online = await create(allow_internet_access=True)
     offline = await create(allow_internet_access=False)
-    host = driver.network.host_address
-    srv = _listen_on_host(host)
-    port = srv.getsockname()[1]
-    probe = f"timeout 5 bash -c 'exec 3<>/dev/tcp/{host}/{port} && echo connected'; echo rc=$?"
-    try:
-        accepted = asyncio.get_running_loop().run_in_executor(None, srv.accept)
-        r = await run(driver, online, probe)
-        assert "connected" in r.stdout, r
-        conn, peer = await accepted
-        conn.close()
-        assert peer[0] == online.data["address"]
-        r = await run(driver, offline, probe)
-        assert "connected" not in r.stdout and "rc=0" not in r.stdout, r
-        r = await run(driver, online, "ls /sys/class/net; cat /proc/net/fib_trie")
-        assert "eth0" in r.stdout and online.data["address"] in r.stdout
-    finally:
-        srv.close()
+    # "The internet" is a namespace on this machine behind the host's masquerade; the host
+    # itself is not reachable from a sandbox (tests/security/test_network.py).
+    with outside_host() as outside:
+        srv = in_netns(outside.netns, lambda: _listen_on_host(outside.address))
+        port = srv.getsockname()[1]
+        probe = (f"timeout 5 bash -c 'exec 3<>/dev/tcp/{outside.address}/{port}"
+                 " && echo connected'; echo rc=$?")
+        try:
+            accepted = asyncio.get_running_loop().run_in_executor(None, srv.accept)
+            r = await run(driver, online, probe)
+            assert "connected" in r.stdout, r
+            conn, peer = await accepted
+            conn.close()
+            assert peer[0] == outside.host_address  # masqueraded
+            r = await run(driver, offline, probe)
+            assert "connected" not in r.stdout and "rc=0" not in r.stdout, r
+            r = await run(driver, online, "ls /sys/class/net; cat /proc/net/fib_trie")
+            assert "eth0" in r.stdout and online.data["address"] in r.stdout
+        finally:
+            srv.close()
     slot = online.data["slot"]
     assert (driver.network.netns_dir / slot).exists()
     await driver.destroy(online)
@@ -360,6 +365,17 @@ async def test_sandboxes_with_internet_cannot_reach_each_other(driver: Container
              " echo rc=$?")
     r = await run(driver, b, probe)
     assert "connected" not in r.stdout, r
+
+
+async def test_gateway_mac_survives_slot_churn(driver: ContainerDriver, create: CreateFn) -> None:
+    """A bridge left to itself takes the lowest MAC of its ports and changes it when that
+    port goes: every sandbox's neighbour entry for its gateway would go stale at once."""
+    bridge = Path(f"/sys/class/net/{driver.network.bridge}/address")
+    handles = [await create(allow_internet_access=True) for _ in range(3)]
+    for handle in handles:
+        await driver.destroy(handle)
+    await create(allow_internet_access=True)
+    assert bridge.read_text().strip() == BRIDGE_MAC
 
 
 # ------------------------------------------------------------------ restart, scale

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import platform
 import shutil
 import socket
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import CreateFn, make_driver
+from net_helpers import in_netns, outside_host
 from vm_helpers import run, spec_for
 
 from aenv.errors import AenvError, ErrorCode
@@ -52,6 +54,17 @@ async def test_boot_runs_its_own_kernel(driver: QemuDriver, create: CreateFn) ->
     usage = await driver.stats(handle)
     assert usage.mem_total_bytes == 512 * 2**20
     assert 0 < usage.mem_used_bytes < 2 * 512 * 2**20
+
+
+async def test_qemu_runs_under_its_own_seccomp_filter(driver: QemuDriver,
+                                                     create: CreateFn) -> None:
+    """`-sandbox` (boot.SANDBOX): a QEMU exploited from its guest cannot mount, reboot,
+    load modules or kexec; pause/resume and fork (exec:cat migrations) still work with it."""
+    handle = await create()
+    status = Path(f"/proc/{handle.data['pid']}/status").read_text()
+    assert "-sandbox" in Path(f"/proc/{handle.data['pid']}/cmdline").read_text()
+    assert [line.split()[1] for line in status.splitlines()
+            if line.startswith("Seccomp:")] == ["2"], status
 
 
 async def test_cold_boot_and_boot_snapshot(driver: QemuDriver, home: Path,
@@ -110,24 +123,90 @@ async def test_host_files_are_not_visible(driver: QemuDriver, create: CreateFn,
 
 
 async def test_network_off_and_on(driver: QemuDriver, create: CreateFn) -> None:
-    # The host side of the bridge is reachable only with internet access.
+    # An outside host (a namespace on this machine, behind the host's masquerade) is
+    # reachable only with internet access; the host itself never is, not even at the
+    # bridge's address (the guest's traffic leaves through a network slot like a container's).
     await driver.networks._ensure_pool()
     host = driver.networks.pool.host_address
-    srv = socket.socket()
-    srv.bind((host, 0))
-    srv.listen(8)
-    port = srv.getsockname()[1]
-    probe = (f"python3 -c \"import socket; socket.create_connection(('{host}', {port}), 5); "
-             "print('reached')\"")
-    try:
-        off, on = await asyncio.gather(create(allow_internet_access=False),
-                                       create(allow_internet_access=True))
-        res_off = await run(driver, off, probe, token=tok(off.sandbox_id))
-        res_on = await run(driver, on, probe, token=tok(on.sandbox_id))
-    finally:
-        srv.close()
+
+    def listen(address: str) -> socket.socket:
+        srv = socket.socket()
+        srv.bind((address, 0))
+        srv.listen(8)
+        return srv
+
+    def probe(address: str, port: int) -> str:
+        return (f"python3 -c \"import socket; socket.create_connection(('{address}', {port}), 5);"
+                " print('reached')\"")
+
+    with outside_host() as outside:
+        srv = in_netns(outside.netns, lambda: listen(outside.address))
+        on_host = listen(host)
+        port, host_port = srv.getsockname()[1], on_host.getsockname()[1]
+        try:
+            off, on = await asyncio.gather(create(allow_internet_access=False),
+                                           create(allow_internet_access=True))
+            res_off = await run(driver, off, probe(outside.address, port),
+                                token=tok(off.sandbox_id))
+            res_on = await run(driver, on, probe(outside.address, port),
+                               token=tok(on.sandbox_id))
+            res_host = await run(driver, on, probe(host, host_port), token=tok(on.sandbox_id))
+        finally:
+            srv.close()
+            on_host.close()
     assert "reached" not in res_off.stdout
     assert "reached" in res_on.stdout, res_on.stderr
+    assert "reached" not in res_host.stdout and "refused" in res_host.stderr, res_host
+
+
+SPOOF = """
+import socket, struct, sys
+def checksum(data):
+    total = sum(struct.unpack("!10H", data))
+    total = (total & 0xFFFF) + (total >> 16)
+    return ~(total + (total >> 16)) & 0xFFFF
+dst, port = sys.argv[1], int(sys.argv[2])
+raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)  # IP_HDRINCL
+for src in sys.argv[3:]:
+    udp = struct.pack("!HHHH", 40000, port, 8 + len(src), 0) + src.encode()
+    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), 1, 0, 64, 17, 0,
+                     socket.inet_aton(src), socket.inet_aton(dst))
+    ip = ip[:10] + struct.pack("!H", checksum(ip)) + ip[12:]
+    for _ in range(3):
+        raw.sendto(ip + udp, (dst, 0))
+honest = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+honest.sendto(b"honest", (dst, port))
+"""
+
+
+async def test_guest_cannot_send_spoofed_sources(driver: QemuDriver, create: CreateFn) -> None:
+    """The guest's root has raw sockets (its own kernel); what it forges must still not leave
+    its network slot: the host's per-port rules bind the slot to its address."""
+    with outside_host() as outside:
+        listener = in_netns(outside.netns,
+                            lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
+        listener.bind((outside.address, 0))
+        listener.settimeout(0.5)
+        port = listener.getsockname()[1]
+        try:
+            vm = await create(allow_internet_access=True)
+            await run(driver, vm, f"cat > /tmp/spoof.py <<'EOF'\n{SPOOF}EOF",
+                      token=tok(vm.sandbox_id))
+            # Another sandbox's address, and one of the internet's (a reflection attack).
+            spoofed = ("10.88.255.254", "203.0.113.9")
+            res = await run(driver, vm, f"python3 /tmp/spoof.py {outside.address} {port} "
+                            + " ".join(spoofed), token=tok(vm.sandbox_id))
+            assert res.exit_code == 0, res.stderr
+            heard: list[tuple[str, bytes]] = []
+            with contextlib.suppress(TimeoutError):
+                while True:
+                    data, peer = listener.recvfrom(2048)
+                    heard.append((peer[0], data))
+        finally:
+            listener.close()
+    # Control: the guest's honest datagram arrived, masqueraded behind the host.
+    assert (outside.host_address, b"honest") in heard, heard
+    assert not [h for h in heard if h[1] != b"honest"], heard
 
 
 async def test_pause_resume_keeps_processes(driver: QemuDriver, create: CreateFn,

@@ -26,7 +26,9 @@ from aenv.api.images import ImageRoutes
 from aenv.api.proxy import SandboxProxy, route_by_headers, route_by_signature
 from aenv.api.routes import SandboxRoutes
 from aenv.api.templates import TemplateRoutes
+from aenv.api.upgrade import TunnelRegistry
 from aenv.builds.builder import TemplateBuilds
+from aenv.builds.code_interpreter import CodeInterpreterTemplate
 from aenv.config import Config
 from aenv.errors import AenvError
 from aenv.images.base import build_base_layer
@@ -39,6 +41,7 @@ from aenv.orchestrator.store import Store
 from aenv.runtime.registry import load_driver
 from aenv.storage.layout import Layout
 from aenv.storage.repository import LocalCache, Repository, open_blob_store
+from aenv.storage.volume import attach_storage
 
 log = logging.getLogger("aenv.api")
 
@@ -63,12 +66,16 @@ class ApiKeyAuth:
 
 
 class EdgeRouter:
-    """Sends sandbox traffic to the proxy and everything else to the control plane."""
+    """Sends sandbox traffic to the proxy and everything else to the control plane.
+    Upgrade requests (WebSocket, ...) to sandbox ports never reach it as ASGI requests:
+    uvicorn's protocol (`api/upgrade.py`) hands them to `tunnels` before that."""
 
-    def __init__(self, control: ASGIApp, proxy: SandboxProxy, domain: str | None) -> None:
+    def __init__(self, control: ASGIApp, proxy: SandboxProxy, domain: str | None,
+                 tunnels: TunnelRegistry) -> None:
         self.control = control
         self.proxy = proxy
         self.domain = domain
+        self.tunnels = tunnels
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] in ("http", "websocket"):
@@ -98,6 +105,11 @@ def base_template(config: Config, layer_id: str) -> TemplateRecord:
 def build_server(config: Config, show_progress: bool = True) -> Server:
     config.snapshot.validate()
     layout = Layout(config.home)
+    # The volume first: after a reboot the home's storage directories are symlinks into
+    # its (not yet mounted) mount point.
+    layout.ensure_home()
+    st = config.storage
+    attach_storage(config.home, st.volume, st.volume_size_gb, st.volume_image)
     layout.ensure()
     api_key = config.server.api_key or layout.api_key()
     store = Store(layout.database)
@@ -128,6 +140,8 @@ def build_server(config: Config, show_progress: bool = True) -> Server:
     routes = SandboxRoutes(manager, config)
     images = ImageRoutes(puller, store)
     builds = TemplateBuilds(config, layout, manager, puller)
+    code_interpreter = CodeInterpreterTemplate(builds)
+    manager.template_provider = code_interpreter.ensure
     templates = TemplateRoutes(builds)
 
     async def health(_: Request) -> Response:
@@ -148,9 +162,14 @@ def build_server(config: Config, show_progress: bool = True) -> Server:
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         await manager.start()
+        prebuild = (asyncio.create_task(code_interpreter.prebuild(), name="aenv-ci-prebuild")
+                    if config.sandbox.code_interpreter_prebuild else None)
         try:
             yield
         finally:
+            if prebuild is not None:
+                prebuild.cancel()
+                await asyncio.gather(prebuild, return_exceptions=True)
             await builds.close()
             await manager.close()
             await puller.close()
@@ -163,5 +182,6 @@ def build_server(config: Config, show_progress: bool = True) -> Server:
                             Exception: on_crash},
         lifespan=lifespan,
     )
-    app = EdgeRouter(ApiKeyAuth(control, api_key), proxy, config.server.domain)
+    app = EdgeRouter(ApiKeyAuth(control, api_key), proxy, config.server.domain,
+                     TunnelRegistry(manager))
     return Server(app=app, manager=manager, api_key=api_key)

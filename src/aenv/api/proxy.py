@@ -32,6 +32,11 @@ log = logging.getLogger("aenv.proxy")
 
 _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer",
                          b"upgrade", b"proxy-authorization", b"proxy-authenticate", b"host"})
+# Not forwarded upstream: uvicorn already answered the client's `Expect: 100-continue`, and an
+# upstream asked again would send an interim `100 Continue` of its own.
+_REQUEST_ONLY_HERE = frozenset({b"expect"})
+# Not relayed to the client: uvicorn writes its own Date (two Date fields are invalid).
+_RESPONSE_ONLY_HERE = frozenset({b"content-length", b"date"})
 _HOST_RE = re.compile(r"^(\d{1,5})-([a-z0-9]+)\.")
 MAX_IDLE_PER_TARGET = 8
 _MAX_HEAD = 64 * 1024
@@ -76,7 +81,7 @@ def route_by_signature(scope: Scope, tokens: Callable[[], list[tuple[str, str]]]
     signature = query.get("signature")
     if not signature or "path" not in query:
         return None
-    op = "read" if scope["method"] == "GET" else "write"
+    op = "read" if scope["method"] in ("GET", "HEAD") else "write"  # as envd checks it
     for sandbox_id, token in tokens():
         expected = file_signature(query["path"], op, query.get("username", ""), token,
                                   query.get("signature_expiration"))
@@ -128,20 +133,32 @@ class ResponseAborted(Exception):
     """The upstream failed mid-response: the client connection must be aborted."""
 
 
-async def _read_head(reader: asyncio.StreamReader) -> tuple[int, list[tuple[bytes, bytes]]]:
-    try:
-        head = await reader.readuntil(b"\r\n\r\n")
-    except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError) as exc:
-        raise UpstreamError(f"upstream closed before answering: {exc}") from None
-    lines = head[:-4].split(b"\r\n")
-    parts = lines[0].split(b" ", 2)
-    if len(parts) < 2 or not parts[1].isdigit():
-        raise UpstreamError(f"malformed status line {lines[0][:80]!r}")
-    headers = []
-    for line in lines[1:]:
-        name, _, value = line.partition(b":")
-        headers.append((name.strip().lower(), value.strip()))
-    return int(parts[1]), headers
+@dataclass(frozen=True)
+class _ResponseHead:
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    http10: bool  # an HTTP/1.0 answer: the connection closes after it unless it says keep-alive
+
+
+async def _read_head(reader: asyncio.StreamReader) -> _ResponseHead:
+    """The final response head; interim 1xx answers (other than 101) are skipped."""
+    while True:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError) as exc:
+            raise UpstreamError(f"upstream closed before answering: {exc}") from None
+        lines = head[:-4].split(b"\r\n")
+        parts = lines[0].split(b" ", 2)
+        if len(parts) < 2 or not parts[1].isdigit() or not parts[0].startswith(b"HTTP/1."):
+            raise UpstreamError(f"malformed status line {lines[0][:80]!r}")
+        status = int(parts[1])
+        if 100 <= status < 200 and status != 101:
+            continue
+        headers = []
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            headers.append((name.strip().lower(), value.strip()))
+        return _ResponseHead(status, headers, parts[0] == b"HTTP/1.0")
 
 
 class SandboxProxy:
@@ -215,7 +232,8 @@ class SandboxProxy:
             path += b"?" + scope["query_string"]
         head = [scope["method"].encode() + b" " + path + b" HTTP/1.1",
                 b"host: 127.0.0.1:" + str(target.port).encode()]
-        head += [k + b": " + v for k, v in scope["headers"] if k.lower() not in _HOP_BY_HOP]
+        head += [k + b": " + v for k, v in scope["headers"]
+                 if k.lower() not in _HOP_BY_HOP and k.lower() not in _REQUEST_ONLY_HERE]
         if chunked_in or not has_length and scope["method"] not in ("GET", "HEAD", "DELETE",
                                                                      "OPTIONS"):
             head.append(b"transfer-encoding: chunked")
@@ -273,15 +291,26 @@ class SandboxProxy:
             if pump_exc is not None:
                 head_task.cancel()
                 raise UpstreamError(f"sending the request failed: {pump_exc}")
-        status, headers = await head_task
-        length = next((int(v) for k, v in headers if k == b"content-length"), None)
+        response = await head_task
+        status, headers = response.status, response.headers
+        try:
+            length = next((int(v) for k, v in headers if k == b"content-length"), None)
+        except ValueError:
+            raise UpstreamError("malformed content-length") from None
         chunked = any(k == b"transfer-encoding" and b"chunked" in v.lower() for k, v in headers)
-        keep_alive = not any(k == b"connection" and v.lower() == b"close" for k, v in headers)
-        out_headers = [(k, v) for k, v in headers if k not in _HOP_BY_HOP]
-        if length is not None and not chunked:
+        tokens = {t.strip().lower() for k, v in headers if k == b"connection" for t in v.split(b",")}
+        keep_alive = b"close" not in tokens and (not response.http10 or b"keep-alive" in tokens)
+        bodiless = scope["method"] == "HEAD" or status in (204, 304) or 100 <= status < 200
+        # The length is re-added once, from the parsed value: passing the upstream's header
+        # through as well sent it twice, which undici (the JS SDK's fetch) rejects. A HEAD
+        # answer keeps it (the length of what a GET would send); uvicorn would hold a 204 or
+        # 304 that carries one to a body that never comes.
+        out_headers = [(k, v) for k, v in headers
+                       if k not in _HOP_BY_HOP and k not in _RESPONSE_ONLY_HERE]
+        if length is not None and not chunked and (scope["method"] == "HEAD" or not bodiless):
             out_headers.append((b"content-length", str(length).encode()))
         await send({"type": "http.response.start", "status": status, "headers": out_headers})
-        if scope["method"] == "HEAD" or status in (204, 304) or 100 <= status < 200:
+        if bodiless:
             await send({"type": "http.response.body", "body": b""})
             return keep_alive and body_done.is_set()
 

@@ -100,6 +100,7 @@ class SandboxRoutes:
             allow_internet_access=(True if body.allow_internet_access is None
                                    else body.allow_internet_access),
             runtime=body.runtime or (body.metadata or {}).get(RUNTIME_METADATA_KEY),
+            cpu_count=body.cpu_count, memory_mb=body.memory_mb,
         ))
         return JSONResponse(sandbox_body(rec, self.domain), status_code=201)
 

@@ -37,6 +37,9 @@ class NewSandbox(_Body):
     # aenv's own: the runtime driver for this sandbox ("container", "qemu", ...); the
     # metadata key `aenv.runtime` says the same for clients that cannot add fields (the SDK).
     runtime: str | None = Field(default=None, min_length=1, max_length=64)
+    # aenv's own (`aenv start --cpu --memory`): this sandbox's limits instead of the template's.
+    cpu_count: int | None = Field(default=None, alias="cpuCount")
+    memory_mb: int | None = Field(default=None, alias="memoryMB")
 
 
 class ConnectSandbox(_Body):
@@ -67,7 +70,9 @@ def snapshot_body(tpl: TemplateRecord) -> dict[str, Any]:
             **({"sandboxID": tpl.source_sandbox} if tpl.source_sandbox else {}),
             **({"createdAt": _ts(tpl.created_at)} if tpl.created_at else {}),
             **({"sizeBytes": tpl.size_bytes} if tpl.size_bytes is not None else {}),
-            **({"storedBytes": tpl.stored_bytes} if tpl.stored_bytes is not None else {})}
+            **({"storedBytes": tpl.stored_bytes} if tpl.stored_bytes is not None else {}),
+            # ours: false while the snapshot is still being pushed to the repository
+            "inRepository": tpl.in_repository}
 
 
 def _ts(value: datetime) -> str:

@@ -170,6 +170,33 @@ def _upload(client: Client, template_id: str, files_hash: str, archive: IO[bytes
     print(f"  {src}: uploaded {size / 1e6:.1f} MB", file=sys.stderr)
 
 
+def cmd_template_watch(args: argparse.Namespace, client: Client) -> int:
+    """`aenv template watch TEMPLATE [BUILD]`: the build's log until it ends (the latest
+    build unless one is named); exit 1 when it failed."""
+    if not args.targets or len(args.targets) > 2:
+        raise ApiError(0, "template watch needs a template id or name, and optionally a build id")
+    template: dict[str, Any] = client.call("GET", f"/templates/{args.targets[0]}").json()
+    builds: list[dict[str, Any]] = template.get("builds", [])  # newest first
+    if len(args.targets) == 2:
+        build_id = args.targets[1]
+    elif builds:
+        build_id = builds[0]["buildID"]
+    else:
+        raise ApiError(0, f"template {args.targets[0]} has no builds to watch")
+    template_id = template["templateID"]
+    print(f"watching build {build_id} of template {template_id}", file=sys.stderr)
+    status = _follow(client, template_id, build_id)
+    summary = {"templateID": template_id, "buildID": build_id, "status": status["status"]}
+    if status.get("reason"):
+        summary["reason"] = status["reason"]
+    if args.output == "json":
+        emit(summary, ("templateID", "buildID", "status"), True)
+    else:
+        reason = (status.get("reason") or {}).get("message")
+        print(f"build {build_id}: {status['status']}{f' ({reason})' if reason else ''}")
+    return 0 if status["status"] == "ready" else 1
+
+
 def _follow(client: Client, template_id: str, build_id: str) -> dict[str, Any]:
     out = BuildLog()
     offset = 0

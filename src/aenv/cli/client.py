@@ -148,5 +148,52 @@ class Client:
                         yield msg
 
 
+    # ------------------------------------------------------------------ envd's /files
+    def upload_file(self, sandbox_id: str, token: str | None, remote: str,
+                    chunks: Iterator[bytes], size: int, user: str | None = None) -> None:
+        """Stream `chunks` (`size` bytes in all) into the sandbox's file `remote`."""
+        headers = {**self._envd_headers(sandbox_id, token),
+                   "Content-Type": "application/octet-stream", "Content-Length": str(size)}
+        params = {"path": remote, **({"username": user} if user else {})}
+        try:
+            with httpx.Client(base_url=self.url, timeout=httpx.Timeout(self.timeout, write=None)
+                              ) as http:
+                resp = http.post("/files", params=params, content=chunks, headers=headers)
+        except httpx.ConnectError:
+            raise ApiError(0, f"cannot reach the aenv server at {self.url}") from None
+        except httpx.HTTPError as exc:
+            raise ApiError(0, f"upload to {remote} failed: {exc}") from None
+        if resp.status_code >= 300:
+            raise ApiError(resp.status_code, f"{remote}: {_envd_message(resp)}")
+
+    def download_file(self, sandbox_id: str, token: str | None, remote: str,
+                      user: str | None = None) -> Iterator[tuple[bytes, int | None]]:
+        """The sandbox's file `remote` in chunks, each with the whole length when known."""
+        # identity: envd would gzip on the fly otherwise, and the length would be unknown.
+        headers = {**self._envd_headers(sandbox_id, token), "Accept-Encoding": "identity"}
+        params = {"path": remote, **({"username": user} if user else {})}
+        try:
+            with httpx.Client(base_url=self.url, timeout=httpx.Timeout(self.timeout)) as http, \
+                    http.stream("GET", "/files", params=params, headers=headers) as resp:
+                if resp.status_code != 200:
+                    resp.read()
+                    raise ApiError(resp.status_code, f"{remote}: {_envd_message(resp)}")
+                length = resp.headers.get("content-length")
+                total = int(length) if length and length.isdigit() else None
+                for chunk in resp.iter_raw(1 << 20):
+                    yield chunk, total
+        except httpx.ConnectError:
+            raise ApiError(0, f"cannot reach the aenv server at {self.url}") from None
+        except httpx.HTTPError as exc:
+            raise ApiError(0, f"download of {remote} failed: {exc}") from None
+
+
+def _envd_message(resp: httpx.Response) -> str:
+    try:
+        return str(resp.json().get("message", resp.text))
+    except ValueError:
+        return resp.text.strip()
+
+
 def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()

@@ -12,8 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from aenv.cli.build import cmd_build
+from aenv.cli.build import cmd_build, cmd_template_watch
 from aenv.cli.client import ApiError, Client, save_credentials
+from aenv.cli.files import cmd_connect, cmd_download, cmd_upload
 from aenv.cli.output import each_target, emit
 from aenv.cli.pull import cmd_cache, cmd_pull, cmd_template
 
@@ -27,6 +28,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from aenv.api.app import build_server
+    from aenv.api.upgrade import TunnelingHttpToolsProtocol
     from aenv.config import load_config
     from aenv.errors import AenvError
 
@@ -49,10 +51,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"aenv: --listen must be HOST:PORT, got {config.server.listen!r}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    server = build_server(config)
+    # A fixed umask, not the operator's: what the server writes into layers and workspaces
+    # is what sandboxes see (a 077 umask would make their directories unreadable to their
+    # users). Privacy on the host comes from the home being 0700 (storage/layout.py) and
+    # the secrets, database and checkpoint images' own modes.
+    os.umask(0o022)
+    try:
+        server = build_server(config)
+    except AenvError as exc:
+        print(f"aenv: {exc.message}", file=sys.stderr)
+        return 2
     print(f"aenv: serving on http://{config.server.listen} (home {config.home})", file=sys.stderr)
     print(f"aenv: API key: {server.api_key}", file=sys.stderr)
-    uvicorn.run(server.app, host=host, port=int(port), loop="uvloop", http="httptools",
+    # http: uvicorn's httptools protocol that tunnels upgrades to sandbox ports (WebSocket
+    # included, so no WebSocket implementation of uvicorn's own); no `server: uvicorn`
+    # header, which proxied answers would carry next to the sandbox server's own.
+    uvicorn.run(server.app, host=host, port=int(port), loop="uvloop",
+                http=TunnelingHttpToolsProtocol, ws="none", server_header=False,
                 log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
     return 0
 
@@ -70,6 +85,10 @@ def _create(client: Client, args: argparse.Namespace) -> dict[str, Any]:
     body: dict[str, Any] = {"templateID": args.template, "metadata": {}, "envVars": {}}
     if args.timeout is not None:
         body["timeout"] = args.timeout
+    if args.cpu is not None:
+        body["cpuCount"] = args.cpu
+    if args.memory is not None:
+        body["memoryMB"] = args.memory
     for item in args.env or []:
         key, sep, value = item.partition("=")
         if not sep:
@@ -192,6 +211,13 @@ def cmd_snapshot(args: argparse.Namespace, client: Client) -> int:
     return 0
 
 
+def cmd_templates(args: argparse.Namespace, client: Client) -> int:
+    # watch follows a build (cli/build.py); ls and rm are the image routes' (cli/pull.py).
+    if args.action == "watch":
+        return cmd_template_watch(args, client)
+    return cmd_template(args, client)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aenv", description="Sandboxes for AI agents and RL.")
     parser.add_argument("--url", help="server URL (default $AENV_URL or http://127.0.0.1:8000)")
@@ -215,7 +241,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("template", nargs="?", default="base")
     p.add_argument("--detach", "-d", action="store_true", help="print the sandbox and return")
     p.add_argument("--timeout", type=int, help="time to live in seconds")
+    p.add_argument("--cpu", type=int, help="CPU count (default: the template's)")
+    p.add_argument("--memory", type=int, help="memory limit in MiB (default: the template's)")
     p.add_argument("--env", "-e", action="append", help="KEY=VALUE for every process")
+
+    p = sub.add_parser("connect", parents=[common], help="attach a shell to a running sandbox")
+    p.add_argument("sandbox_id")
+
+    p = sub.add_parser("upload", parents=[common],
+                       help="copy a file or directory into a sandbox: aenv upload ID LOCAL REMOTE")
+    p.add_argument("sandbox_id")
+    p.add_argument("local")
+    p.add_argument("remote", help="destination path (ending in / : keep the file's name)")
+    p.add_argument("--user", help="owner of the written files (default: the template's user)")
+
+    p = sub.add_parser("download", parents=[common],
+                       help="copy a file or directory out of a sandbox: aenv download ID REMOTE LOCAL")
+    p.add_argument("sandbox_id")
+    p.add_argument("remote")
+    p.add_argument("local", help="destination path (an existing directory: keep the name)")
+    p.add_argument("--user", help="read as this user (default: the template's user)")
 
     p = sub.add_parser("exec", parents=[common], help="run a command in a sandbox: aenv exec ID -- CMD...")
     p.add_argument("sandbox_id")
@@ -269,9 +314,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-cmd", help="start command (default: ENTRYPOINT + CMD)")
     p.add_argument("--ready-cmd", help="the template is captured once this exits 0")
 
-    p = sub.add_parser("template", parents=[common], help="template ls | rm TEMPLATE...")
-    p.add_argument("action", choices=("ls", "rm"))
-    p.add_argument("targets", nargs="*", help="template ids or names (rm)")
+    p = sub.add_parser("template", parents=[common],
+                       help="template ls | rm TEMPLATE... | watch TEMPLATE [BUILD]")
+    p.add_argument("action", choices=("ls", "rm", "watch"))
+    p.add_argument("targets", nargs="*",
+                   help="template ids or names (rm); a template and optionally a build (watch)")
 
     sub.add_parser("cache", parents=[common],
                    help="the image layer cache: size, limit, hits, misses, evictions, layers")
@@ -284,8 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
 CLIENT_VERBS: dict[str, Callable[[argparse.Namespace, Client], int]] = {
     "auth": cmd_auth, "start": cmd_start, "exec": cmd_exec, "ls": cmd_ls, "rm": cmd_rm,
     "timeout": cmd_timeout, "info": cmd_info, "pause": cmd_pause, "resume": cmd_resume,
-    "fork": cmd_fork, "snapshot": cmd_snapshot, "pull": cmd_pull, "template": cmd_template,
-    "build": cmd_build,
+    "fork": cmd_fork, "snapshot": cmd_snapshot, "pull": cmd_pull,
+    "template": cmd_templates,
+    "build": cmd_build, "connect": cmd_connect, "upload": cmd_upload, "download": cmd_download,
     "cache": cmd_cache,
 }
 

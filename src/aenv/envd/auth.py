@@ -34,9 +34,11 @@ _compare_digest = _builtin(("_operator",), "_compare_digest", "hmac")
 TOKEN_HEADER = "x-access-token"
 
 # Requests that never need the header: health checks, /files (which may carry a
-# signature instead and checks on its own) and /init (which authenticates itself).
+# signature instead and checks on its own; HEAD is a read, as GET) and /init (which
+# authenticates itself).
 PUBLIC = frozenset(
-    {("GET", "/health"), ("HEAD", "/health"), ("GET", "/files"), ("POST", "/files"), ("POST", "/init")}
+    {("GET", "/health"), ("HEAD", "/health"), ("GET", "/files"), ("HEAD", "/files"),
+     ("POST", "/files"), ("POST", "/init")}
 )
 
 UNAUTHORIZED = "unauthorized access, please provide a valid access token or method signing if supported"

@@ -20,10 +20,12 @@ show a deleted file's metadata until the next upload to it rewrites the set.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import stat
+from collections.abc import Callable
 
 from aenv.envd.errors import RpcError, internal, invalid, not_found
 from aenv.envd.log import log
@@ -79,6 +81,8 @@ def ensure_dirs(path: str, uid: int, gid: int) -> None:
                 break
             current = parent
             continue
+        except OSError as e:
+            raise os_error(e, "failed to create directory: stat", current) from None
         if not stat.S_ISDIR(st.st_mode):
             raise internal(f"failed to create directory: path is a file: {current}")
         break
@@ -88,7 +92,7 @@ def ensure_dirs(path: str, uid: int, gid: int) -> None:
         except FileExistsError:
             pass
         except OSError as e:
-            raise internal(f"failed to create directory {directory}: {e.strerror}") from None
+            raise os_error(e, "failed to create directory", directory) from None
         chown(directory, uid, gid)
 
 
@@ -159,11 +163,19 @@ def validate_metadata(metadata: dict[str, str]) -> None:
 
 
 class MetadataStore:
-    def __init__(self, sidecar_dir: str | None) -> None:
+    def __init__(
+        self,
+        sidecar_dir: str | None,
+        privileged: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
+    ) -> None:
         self._sidecar_dir = sidecar_dir
         self._sidecar_ready = False
+        # The sidecar directory is envd's own (0700): reached with envd's credentials even
+        # while a user's file operation runs (`FsCredentials.as_envd`).
+        self._privileged = privileged
 
-    def read(self, path: str) -> dict[str, str]:
+    def read(self, path: str | int) -> dict[str, str]:
+        """The metadata of a path (followed if a symlink) or of an open file descriptor."""
         """Best effort, like real envd: a failure to read metadata never fails a stat."""
         try:
             names = os.listxattr(path)
@@ -208,12 +220,12 @@ class MetadataStore:
             return None
         return os.path.join(self._sidecar_dir, f"{st.st_dev:x}-{st.st_ino:x}.json")
 
-    def _sidecar_read(self, path: str) -> dict[str, str]:
+    def _sidecar_read(self, path: str | int) -> dict[str, str]:
         try:
             target = self._sidecar_path(os.stat(path))
             if target is None:
                 return {}
-            with open(target, encoding="utf-8") as f:
+            with self._privileged(), open(target, encoding="utf-8") as f:
                 value = json.load(f)
         except (OSError, ValueError):
             return {}
@@ -227,6 +239,10 @@ class MetadataStore:
             if metadata:
                 log("filesystem does not support xattrs and no metadata_dir is set; metadata not persisted")
             return
+        with self._privileged():
+            self._sidecar_store(target, metadata)
+
+    def _sidecar_store(self, target: str, metadata: dict[str, str]) -> None:
         if not metadata:
             try:
                 os.unlink(target)
@@ -257,7 +273,7 @@ class Entries:
         except NotADirectoryError:
             raise not_found(f"file not found: lstat {path}: not a directory") from None
         except OSError as e:
-            raise internal(f"error getting file info: lstat {path}: {e.strerror}") from None
+            raise os_error(e, "error getting file info: lstat", path) from None
         return self.from_stat(path, st)
 
     def from_stat(self, path: str, st: os.stat_result) -> Msg:

@@ -8,8 +8,14 @@ are parsed incrementally and `application/octet-stream` bodies (optionally
 `Content-Encoding: gzip`) are decompressed incrementally — so a large upload never sits
 in memory. Parent directories are created for, and new files owned by, the user.
 
+Every path is resolved and opened with the requesting user's credentials
+(`FsCredentials.as_user`): the kernel checks permissions, symlinks and `..` as for that
+user's own processes. Only the open happens as the user; reading from or writing to the
+descriptor it gave, and the metadata of the file, are then envd's business.
+
 Errors are `{"code": <http status>, "message": ...}`: 400 bad input, 401 auth or unknown
-user, 404 missing file, 507 disk full.
+user, 403 permission denied (the SDK raises SandboxException with the message), 404
+missing file, 507 disk full.
 """
 
 from __future__ import annotations
@@ -178,6 +184,11 @@ def _open_binary(path: str) -> BinaryIO:
     return open(path, "rb")  # the caller closes it
 
 
+def _denied(status: int, error: OSError) -> int:
+    """403 for what the kernel refused the user (EACCES, EPERM), else `status`."""
+    return 403 if isinstance(error, PermissionError) else status
+
+
 class Source:
     """The request body, gunzipped incrementally when `Content-Encoding: gzip`."""
 
@@ -336,15 +347,42 @@ class FilesApi:
             path = resolve_path(raw_path, user, self.app.settings.default_workdir)
         except RpcError as e:
             raise FileError(400, f"error expanding and resolving path '{raw_path}': {e.message}") from None
+        with self.app.creds.as_user(user):
+            f, st = self._open_for_reading(path)
+        try:
+            await self._send_file(request, response, path, f, st)
+        finally:
+            f.close()
+
+    @staticmethod
+    def _open_for_reading(path: str) -> tuple[BinaryIO, os.stat_result]:
+        """Stat and open `path` (as the requesting user: inside `as_user`)."""
         try:
             st = os.stat(path)
         except (FileNotFoundError, NotADirectoryError):
             raise FileError(404, f"path '{path}' does not exist") from None
         except OSError as e:
-            raise FileError(500, f"error checking if path exists '{path}': {e.strerror}") from None
+            raise FileError(_denied(500, e), f"error checking if path exists '{path}': {e.strerror}") from None
         if stat.S_ISDIR(st.st_mode):
             raise FileError(400, f"path '{path}' is a directory")
+        try:
+            f = _open_binary(path)
+        except OSError as e:
+            raise FileError(_denied(500, e), f"error opening file '{path}': {e.strerror}") from None
+        try:
+            # What was opened, not what the path named a moment earlier.
+            st = os.fstat(f.fileno())
+        except BaseException:
+            f.close()
+            raise
+        if stat.S_ISDIR(st.st_mode):
+            f.close()
+            raise FileError(400, f"path '{path}' is a directory")
+        return f, st
 
+    async def _send_file(
+        self, request: Request, response: Response, path: str, f: BinaryIO, st: os.stat_result
+    ) -> None:
         gzipped = accepts_gzip(request.header("accept-encoding"))
         byte_range: tuple[int, int] | None | bool = None
         if request.header("range"):
@@ -352,47 +390,40 @@ class FilesApi:
             byte_range = parse_range(request.header("range"), st.st_size)
         if gzipped is None:
             raise FileError(406, "error parsing Accept-Encoding: no acceptable encoding found, supported: [gzip]")
-        try:
-            f = _open_binary(path)
-        except OSError as e:
-            raise FileError(500, f"error opening file '{path}': {e.strerror}") from None
-        try:
-            headers = [
-                ("Content-Type", "application/octet-stream"),
-                ("Content-Disposition", content_disposition(go_base(path))),
-                ("Vary", "Accept-Encoding"),
-            ]
-            if gzipped:
-                await self._send_gzip(f, headers, response)
-                return
-            headers.append(("Accept-Ranges", "bytes"))
-            if byte_range is False:
-                headers.append(("Content-Range", f"bytes */{st.st_size}"))
-                await response.send(416, b"", None, headers)
-                return
-            start, end, status = 0, st.st_size, 200
-            if isinstance(byte_range, tuple):
-                start, end = byte_range
-                status = 206
-                headers.append(("Content-Range", f"bytes {start}-{end - 1}/{st.st_size}"))
-            if not stat.S_ISREG(st.st_mode) or (st.st_size == 0 and status == 200):
-                # /proc files, pipes, devices: the stat size means nothing; stream it.
-                await response.start(200, headers)
-                while data := f.read(CHUNK):
-                    await response.write(data)
-                await response.end()
-                return
-            await response.start(status, headers, end - start)
-            if end > start and request.method != "HEAD":
-                transport = response.connection.transport
-                assert transport is not None
-                try:
-                    await asyncio.get_running_loop().sendfile(transport, f, start, end - start)
-                except (ConnectionError, OSError, RuntimeError) as e:
-                    raise ClientGone(str(e)) from None
+        headers = [
+            ("Content-Type", "application/octet-stream"),
+            ("Content-Disposition", content_disposition(go_base(path))),
+            ("Vary", "Accept-Encoding"),
+        ]
+        if gzipped:
+            await self._send_gzip(f, headers, response)
+            return
+        headers.append(("Accept-Ranges", "bytes"))
+        if byte_range is False:
+            headers.append(("Content-Range", f"bytes */{st.st_size}"))
+            await response.send(416, b"", None, headers)
+            return
+        start, end, status = 0, st.st_size, 200
+        if isinstance(byte_range, tuple):
+            start, end = byte_range
+            status = 206
+            headers.append(("Content-Range", f"bytes {start}-{end - 1}/{st.st_size}"))
+        if not stat.S_ISREG(st.st_mode) or (st.st_size == 0 and status == 200):
+            # /proc files, pipes, devices: the stat size means nothing; stream it.
+            await response.start(200, headers)
+            while data := f.read(CHUNK):
+                await response.write(data)
             await response.end()
-        finally:
-            f.close()
+            return
+        await response.start(status, headers, end - start)
+        if end > start and request.method != "HEAD":
+            transport = response.connection.transport
+            assert transport is not None
+            try:
+                await asyncio.get_running_loop().sendfile(transport, f, start, end - start)
+            except (ConnectionError, OSError, RuntimeError) as e:
+                raise ClientGone(str(e)) from None
+        await response.end()
 
     async def _send_gzip(self, f: BinaryIO, headers: list[tuple[str, str]], response: Response) -> None:
         headers.append(("Content-Encoding", "gzip"))
@@ -437,8 +468,8 @@ class FilesApi:
             if path_param is None:
                 raise FileError(400, "path query parameter is required for raw body upload")
             path = self._resolve(path_param, user)
-            await self._write(path, user, self._chunks(source), metadata)
-            results.append(self._result(path))
+            stored = await self._write(path, user, self._chunks(source), metadata)
+            results.append(self._result(path, stored))
         elif media.startswith("multipart/"):
             boundary = params.get("boundary")
             if not boundary:
@@ -463,8 +494,8 @@ class FilesApi:
                         "request, only the first specified file was uploaded",
                     )
                 seen.append(path)
-                await self._write(path, user, self._part(form), metadata)
-                results.append(self._result(path))
+                stored = await self._write(path, user, self._part(form), metadata)
+                results.append(self._result(path, stored))
         else:
             raise FileError(
                 400,
@@ -486,47 +517,64 @@ class FilesApi:
         while data := await form.read():
             yield data
 
-    def _result(self, path: str) -> dict[str, object]:
+    def _result(self, path: str, metadata: dict[str, str]) -> dict[str, object]:
         result: dict[str, object] = {"path": path, "name": go_base(path), "type": "file"}
-        metadata = self.app.entries.metadata.read(path)
         if metadata:
             result["metadata"] = metadata
         return result
 
     async def _write(
         self, path: str, user: User, chunks: AsyncIterator[bytes], metadata: dict[str, str]
-    ) -> None:
+    ) -> dict[str, str]:
+        """Write the upload to `path`; the file's metadata afterwards."""
+        with self.app.creds.as_user(user):
+            fd = self._open_for_writing(path, user)
+        try:
+            try:
+                async for data in chunks:
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view) :]
+                # On the descriptor the user opened for writing, whatever the path names now.
+                self.app.entries.metadata.replace(fd, metadata)
+                return self.app.entries.metadata.read(fd)
+            except OSError as e:
+                raise self._disk_error(e, "error writing file") from None
+        finally:
+            os.close(fd)
+
+    def _open_for_writing(self, path: str, user: User) -> int:
+        """Create the parents and open `path` for writing (as the requesting user: inside
+        `as_user`, where what is created belongs to the user already)."""
         try:
             ensure_dirs(os.path.dirname(path), user.uid, user.gid)
         except RpcError as e:
-            raise FileError(500, f"error ensuring directories: {e.message}") from None
+            raise FileError(e.http_status if e.code == "permission_denied" else 500,
+                            f"error ensuring directories: {e.message}") from None
         try:
             if stat.S_ISDIR(os.stat(path).st_mode):
                 raise FileError(400, f"path is a directory: {path}")
         except FileNotFoundError:
             pass
         except OSError as e:
-            raise FileError(500, f"error getting file info: {e.strerror}") from None
+            raise FileError(_denied(500, e), f"error getting file info: {e.strerror}") from None
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
         except OSError as e:
             raise self._disk_error(e, "error opening file") from None
-        try:
+        if not self.app.creds.switches_for(user):
+            # Opened by envd as itself (root for root, or an unprivileged envd): give it to
+            # the user as Go envd does. Created as the user, it is the user's already.
             try:
                 chown(fd, user.uid, user.gid)
-                async for data in chunks:
-                    view = memoryview(data)
-                    while view:
-                        view = view[os.write(fd, view) :]
-                self.app.entries.metadata.replace(fd, metadata)
             except OSError as e:
-                raise self._disk_error(e, "error writing file") from None
-        finally:
-            os.close(fd)
+                os.close(fd)
+                raise FileError(500, f"error changing file ownership: {e.strerror}") from None
+        return fd
 
     @staticmethod
     def _disk_error(error: OSError, action: str) -> FileError:
         if error.errno in (errno.ENOSPC, errno.EDQUOT):
             return FileError(507, f"{action}: not enough disk space available")
-        return FileError(500, f"{action}: {error.strerror}")
+        return FileError(_denied(500, error), f"{action}: {error.strerror}")
 

@@ -3,22 +3,27 @@
 Owns: Stat, MakeDir, Move, ListDir (with depth), Remove, the WatchDir stream and the
 polling watchers (CreateWatcher / GetWatcherEvents / RemoveWatcher).
 
-Operations run with envd's own (root) privileges, as in Go envd; directories they create
-are given to the requesting user. Long walks (deep ListDir, removing a big tree) yield to
-the event loop every few hundred entries so other streams keep flowing.
+Every operation runs with the requesting user's filesystem credentials
+(`FsCredentials.as_user`), so the kernel decides what the user may stat, list, create,
+move, remove and watch, and what is created belongs to the user (Go envd runs them as root
+and chowns; a user must not reach through envd what its own processes cannot). Watches add
+the directories that appear later with the same credentials. Long walks (deep ListDir,
+removing a big tree) are generators stepped through `FsCredentials.steps`, yielding to the
+event loop every few hundred entries so other streams keep flowing.
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 import stat
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from aenv.envd.channel import Channel
 from aenv.envd.connect import Call, Method, ServerStream, server_stream, unary
 from aenv.envd.entries import ensure_dirs, os_error, resolve_path
 from aenv.envd.errors import RpcError, internal, invalid, not_found
+from aenv.envd.fscreds import STEP_YIELD_EVERY
 from aenv.envd.inotify import CHMOD, CREATE, WRITE, Watcher, is_network_mount
 from aenv.envd.proto import Msg, get_bool, get_int, get_str
 from aenv.envd.users import User
@@ -26,12 +31,7 @@ from aenv.envd.users import User
 if TYPE_CHECKING:
     from aenv.envd.server import App
 
-YIELD_EVERY = 256
 MAX_PENDING_EVENTS = 100_000  # a forgotten polling watcher must not grow without bound
-
-
-async def _yield() -> None:
-    await asyncio.sleep(0)
 
 
 class PollingWatcher:
@@ -64,39 +64,53 @@ class FilesystemService:
         return user, resolve_path(get_str(message, field), user, self.app.settings.default_workdir)
 
     async def stat(self, call: Call, message: Msg) -> Msg:
-        _, path = self._path(call, message)
-        return {"entry": self.app.entries.info(path)}
+        user, path = self._path(call, message)
+        with self.app.creds.as_user(user):
+            return {"entry": self.app.entries.info(path)}
 
     async def make_dir(self, call: Call, message: Msg) -> Msg:
         user, path = self._path(call, message)
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            raise internal(f"error getting file info: {e.strerror}") from None
-        else:
-            if stat.S_ISDIR(st.st_mode):
-                raise RpcError("already_exists", f"directory already exists: {path}")
-            raise invalid(f"path already exists but it is not a directory: {path}")
-        ensure_dirs(path, user.uid, user.gid)
-        return {"entry": self.app.entries.info(path)}
+        with self.app.creds.as_user(user):
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                raise os_error(e, "error getting file info: stat", path) from None
+            else:
+                if stat.S_ISDIR(st.st_mode):
+                    raise RpcError("already_exists", f"directory already exists: {path}")
+                raise invalid(f"path already exists but it is not a directory: {path}")
+            ensure_dirs(path, user.uid, user.gid)
+            return {"entry": self.app.entries.info(path)}
 
     async def move(self, call: Call, message: Msg) -> Msg:
         user, source = self._path(call, message, "source")
         _, destination = self._path(call, message, "destination")
-        ensure_dirs(os.path.dirname(destination), user.uid, user.gid)
-        try:
-            os.rename(source, destination)
-        except FileNotFoundError:
-            raise not_found(f"source file not found: rename {source} {destination}: no such file or directory") from None
-        except OSError as e:
-            raise internal(f"error renaming: rename {source} {destination}: {e.strerror}") from None
-        return {"entry": self.app.entries.info(destination)}
+        with self.app.creds.as_user(user):
+            ensure_dirs(os.path.dirname(destination), user.uid, user.gid)
+            try:
+                os.rename(source, destination)
+            except FileNotFoundError:
+                raise not_found(f"source file not found: rename {source} {destination}: no such file or directory") from None
+            except PermissionError as e:
+                raise RpcError("permission_denied", f"error renaming: rename {source} {destination}: {e.strerror}") from None
+            except OSError as e:
+                raise internal(f"error renaming: rename {source} {destination}: {e.strerror}") from None
+            return {"entry": self.app.entries.info(destination)}
 
     async def list_dir(self, call: Call, message: Msg) -> Msg:
-        _, requested = self._path(call, message)
+        user, requested = self._path(call, message)
         depth = get_int(message, "depth") or 1
+        with self.app.creds.as_user(user):
+            resolved = self._list_root(requested)
+        entries: list[Msg] = []
+        await self.app.creds.steps(user, self._walk(resolved, requested.rstrip("/") or "/", depth, entries))
+        return {"entries": entries} if entries else {}
+
+    @staticmethod
+    def _list_root(requested: str) -> str:
+        """The directory a ListDir walks (symlinks resolved), checked to be one."""
         try:
             resolved = os.path.realpath(requested, strict=True)
         except FileNotFoundError:
@@ -110,12 +124,13 @@ class FilesystemService:
                 raise invalid(f"path is not a directory: {resolved}")
         except FileNotFoundError:
             raise not_found(f"directory not found: {resolved}") from None
-        entries: list[Msg] = []
-        await self._walk(resolved, requested.rstrip("/") or "/", depth, entries)
-        return {"entries": entries} if entries else {}
+        except OSError as e:
+            raise os_error(e, "error getting file info: stat", resolved) from None
+        return resolved
 
-    async def _walk(self, real: str, shown: str, depth: int, out: list[Msg]) -> None:
-        """Depth-first in name order, like Go's WalkDir; symlinks are not followed."""
+    def _walk(self, real: str, shown: str, depth: int, out: list[Msg]) -> Iterator[None]:
+        """Depth-first in name order, like Go's WalkDir; symlinks are not followed. A
+        generator for `FsCredentials.steps`: yields every STEP_YIELD_EVERY entries."""
         try:
             with os.scandir(real) as it:
                 children = sorted(it, key=lambda e: e.name)
@@ -129,36 +144,45 @@ class FilesystemService:
             entry = self.app.entries.from_stat(child.path, st)
             entry["path"] = os.path.join(shown, child.name)
             out.append(entry)
-            if len(out) % YIELD_EVERY == 0:
-                await _yield()
+            if len(out) % STEP_YIELD_EVERY == 0:
+                yield
             if depth > 1 and stat.S_ISDIR(st.st_mode):
-                await self._walk(child.path, entry["path"], depth - 1, out)
+                yield from self._walk(child.path, entry["path"], depth - 1, out)
 
     async def remove(self, call: Call, message: Msg) -> Msg:
-        _, path = self._path(call, message)
+        user, path = self._path(call, message)
         try:
-            await _remove_all(path, [0])
+            await self.app.creds.steps(user, _remove_all(path, [0]))
+        except PermissionError as e:
+            raise RpcError(
+                "permission_denied", f"error removing file or directory: {e.strerror}: {e.filename or path}"
+            ) from None
         except OSError as e:
             raise internal(f"error removing file or directory: {e.strerror}: {e.filename or path}") from None
         return {}
 
     # -- watching -----------------------------------------------------------------------
 
-    def _watch_path(self, call: Call, message: Msg) -> str:
-        _, path = self._path(call, message)
+    def _watch_path(self, call: Call, message: Msg) -> tuple[User, str]:
+        user, path = self._path(call, message)
+        with self.app.creds.as_user(user):
+            self._check_watchable(path, message)
+        return user, path
+
+    @staticmethod
+    def _check_watchable(path: str, message: Msg) -> None:
         try:
             st = os.stat(path)
         except FileNotFoundError:
             raise not_found(f"path {path} not found") from None
         except OSError as e:
-            raise internal(f"error statting path {path}: {e.strerror}") from None
+            raise os_error(e, "error statting path", path) from None
         if not stat.S_ISDIR(st.st_mode):
             raise invalid(f"path {path} not a directory")
         if not get_bool(message, "allowNetworkMounts", "allow_network_mounts") and is_network_mount(path):
             raise invalid(f"cannot watch path on network filesystem: {path}")
-        return path
 
-    def _watcher(self, path: str, message: Msg, sink: Channel[Msg]) -> Watcher:
+    def _watcher(self, user: User, path: str, message: Msg, sink: Channel[Msg]) -> Watcher:
         include_entry = get_bool(message, "includeEntry", "include_entry")
         entries = self.app.entries
 
@@ -171,17 +195,22 @@ class FilesystemService:
                     pass  # gone again already: entry info is best effort
             sink.push(event)
 
-        watcher = Watcher(path, get_bool(message, "recursive"), on_event)
+        # inotify_add_watch needs read permission on the directory: as the user, for the
+        # root and for every directory a recursive watch adds later (and entry infos).
+        creds = self.app.creds
+        watcher = Watcher(path, get_bool(message, "recursive"), on_event, lambda: creds.as_user(user))
         try:
             watcher.start()
+        except PermissionError as e:
+            raise RpcError("permission_denied", str(e)) from None
         except OSError as e:
             raise internal(str(e)) from None
         return watcher
 
     async def watch_dir(self, call: Call, message: Msg, stream: ServerStream) -> None:
-        path = self._watch_path(call, message)
+        user, path = self._watch_path(call, message)
         events: Channel[Msg] = Channel()
-        watcher = self._watcher(path, message, events)
+        watcher = self._watcher(user, path, message, events)
         try:
             await stream.send({"start": {}})
             while True:
@@ -194,9 +223,9 @@ class FilesystemService:
             watcher.close()
 
     async def create_watcher(self, call: Call, message: Msg) -> Msg:
-        path = self._watch_path(call, message)
+        user, path = self._watch_path(call, message)
         events: Channel[Msg] = Channel(MAX_PENDING_EVENTS)
-        watcher = self._watcher(path, message, events)
+        watcher = self._watcher(user, path, message, events)
         watcher_id = "w" + os.urandom(10).hex()
         self._watchers[watcher_id] = PollingWatcher(watcher, events)
         return {"watcherId": watcher_id}
@@ -225,8 +254,9 @@ class FilesystemService:
         self._watchers.clear()
 
 
-async def _remove_all(path: str, counter: list[int]) -> None:
-    """`os.RemoveAll`: a missing path is not an error; symlinks are removed, not followed."""
+def _remove_all(path: str, counter: list[int]) -> Iterator[None]:
+    """`os.RemoveAll`: a missing path is not an error; symlinks are removed, not followed.
+    A generator for `FsCredentials.steps`: yields every STEP_YIELD_EVERY entries."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -235,7 +265,7 @@ async def _remove_all(path: str, counter: list[int]) -> None:
         with os.scandir(path) as it:
             children = [child.path for child in it]
         for child in children:
-            await _remove_all(child, counter)
+            yield from _remove_all(child, counter)
         try:
             os.rmdir(path)
         except FileNotFoundError:
@@ -246,5 +276,5 @@ async def _remove_all(path: str, counter: list[int]) -> None:
         except FileNotFoundError:
             pass
     counter[0] += 1
-    if counter[0] % YIELD_EVERY == 0:
-        await _yield()
+    if counter[0] % STEP_YIELD_EVERY == 0:
+        yield

@@ -546,6 +546,9 @@ class Response:
             lines.append(f"{name}: {value}")
         if status == 204 or status == 304 or self._request.method == "HEAD":
             self._bodiless = True
+            if self._request.method == "HEAD" and length is not None and status not in (204, 304):
+                # A HEAD answer states the length a GET would send (RFC 9110 9.3.2).
+                lines.append(f"Content-Length: {length}")
         elif length is None:
             self._chunked = True
             lines.append("Transfer-Encoding: chunked")

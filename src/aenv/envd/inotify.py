@@ -4,7 +4,9 @@ Owns: one inotify descriptor per watch, read from the event loop; recursive watc
 add new subdirectories as they appear; translating inotify masks into envd's event types
 the way Go's fsnotify does (CREATE for create/moved-to, RENAME for moved-from/move-self,
 CHMOD for attrib, WRITE for modify, REMOVE for delete/delete-self). Event names are
-relative to the watched directory.
+relative to the watched directory. Every filesystem access of a watch (adding watches,
+scanning new subdirectories, the callback's entry infos) happens inside `guard()`, so a
+watch sees only what its user may read.
 
 `ctypes` is imported on first use, so an envd that never watches a directory does not pay
 for it (`server.preload()` imports it up front for a fork server).
@@ -13,6 +15,7 @@ for it (`server.preload()` imports it up front for a fork server).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import stat
 import struct
@@ -70,10 +73,17 @@ Callback = Callable[[str, str, str], None]
 
 
 class Watcher:
-    def __init__(self, root: str, recursive: bool, callback: Callback) -> None:
+    def __init__(
+        self,
+        root: str,
+        recursive: bool,
+        callback: Callback,
+        guard: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
+    ) -> None:
         self.root = root
         self.recursive = recursive
         self._callback = callback
+        self._guard = guard
         self._fd = -1
         self._dirs: dict[int, str] = {}
         self._loop = asyncio.get_running_loop()
@@ -86,9 +96,10 @@ class Watcher:
             raise OSError(get_errno(), f"inotify_init1: {os.strerror(get_errno())}")
         self._fd = fd
         try:
-            self._add(self.root, root=True)
-            if self.recursive:
-                self._add_children(self.root, report=False)
+            with self._guard():
+                self._add(self.root, root=True)
+                if self.recursive:
+                    self._add_children(self.root, report=False)
         except BaseException:
             self.close()
             raise
@@ -143,12 +154,13 @@ class Watcher:
             log(f"inotify read failed: {e}")
             return
         offset = 0
-        while offset + _EVENT.size <= len(data):
-            wd, mask, _cookie, length = _EVENT.unpack_from(data, offset)
-            start = offset + _EVENT.size
-            name = data[start : start + length].split(b"\0", 1)[0]
-            offset = start + length
-            self._event(wd, mask, os.fsdecode(name))
+        with self._guard():
+            while offset + _EVENT.size <= len(data):
+                wd, mask, _cookie, length = _EVENT.unpack_from(data, offset)
+                start = offset + _EVENT.size
+                name = data[start : start + length].split(b"\0", 1)[0]
+                offset = start + length
+                self._event(wd, mask, os.fsdecode(name))
 
     def _event(self, wd: int, mask: int, name: str) -> None:
         if mask & IN_Q_OVERFLOW:

@@ -520,7 +520,11 @@ def _spawn(
 
 
 def _adjust_oom(pid: int) -> None:
-    """Like Go envd: sandbox commands are killed before envd when memory runs out."""
+    """Like Go envd: sandbox commands are killed before envd when memory runs out.
+
+    A child inherits envd's -1000 (never an OOM victim) until this; written by envd, which
+    has CAP_SYS_RESOURCE, it also raises the child's floor (`oom_score_adj_min`) to 100, so
+    the command cannot lower itself back to -1000 later."""
     try:
         fd = os.open(f"/proc/{pid}/oom_score_adj", os.O_WRONLY)
     except OSError:
@@ -658,18 +662,19 @@ def _fork_exec(
             for number in (signal.SIGPIPE, signal.SIGXFSZ):
                 signal.signal(number, signal.SIG_DFL)
             signal.pthread_sigmask(signal.SIG_SETMASK, [])
-            if switch_user:
-                os.setgroups(list(user.groups))
-                os.setgid(user.gid)
-                os.setuid(user.uid)
-            os.chdir(cwd)
             try:
-                # Like Go envd: sandbox commands die before envd when memory runs out.
+                # Like Go envd: sandbox commands die before envd (-1000) when memory runs
+                # out. Before dropping root: then the floor rises too (see _adjust_oom).
                 fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
                 os.write(fd, b"100")
                 os.close(fd)
             except OSError:
                 pass
+            if switch_user:
+                os.setgroups(list(user.groups))
+                os.setgid(user.gid)
+                os.setuid(user.uid)
+            os.chdir(cwd)
             os.execve(executable, argv, env)
         except BaseException as e:  # noqa: BLE001
             try:

@@ -29,6 +29,7 @@ from aenv.envd.entries import Entries, MetadataStore
 from aenv.envd.errors import RpcError
 from aenv.envd.files import FilesApi
 from aenv.envd.filesystem import FilesystemService
+from aenv.envd.fscreds import FsCredentials
 from aenv.envd.http import Connection, Request, Response
 from aenv.envd.log import log
 from aenv.envd.metrics import Metrics
@@ -45,7 +46,9 @@ class App:
         self.settings = settings
         self.users = UserDb()
         self.supervisor = Supervisor(reap_all=settings.is_init)
-        self.entries = Entries(self.users, MetadataStore(settings.metadata_dir))
+        # File operations run with the requesting user's credentials (envd/fscreds.py).
+        self.creds = FsCredentials()
+        self.entries = Entries(self.users, MetadataStore(settings.metadata_dir, self.creds.as_envd))
         # Created now so the first /metrics reports CPU use since envd started.
         self.metrics = Metrics()
         self.process = ProcessService(self)
@@ -213,10 +216,11 @@ def preload() -> None:
     """
     import zlib
 
-    from aenv.envd import inotify
+    from aenv.envd import fscreds, inotify
     from aenv.envd.auth import signature
 
     inotify.preload()
+    fscreds.preload()
     signature("/", "read", "", "token", None)
     zlib.compressobj(1, zlib.DEFLATED, 31)
     json.dumps({"warm": [1]})

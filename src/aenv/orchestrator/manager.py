@@ -2,13 +2,18 @@
 
 The manager is the only writer of sandbox records. Each operation takes the sandbox's lock,
 checks the state machine (`SandboxState`), calls the runtime driver, then commits the new
-record. A background sweeper enforces TTLs.
+record. A background sweeper enforces TTLs. A monitor finds running sandboxes that died
+(their process gone, `LivenessDriver`, checked every second; or envd not answering /health
+for a while, every runtime) and removes them with the reason: a dead sandbox is never listed
+as running, and asking for it answers 404 with why it is gone (E2B's shape: a sandbox that
+died is not found), kept for the last `DEAD_REASONS_KEPT` of them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import collections
 import contextlib
 import json
 import logging
@@ -32,9 +37,11 @@ from aenv.orchestrator.models import (
     TemplateRecord,
 )
 from aenv.orchestrator.paused import PausedStateKeeper
+from aenv.orchestrator.pushes import PendingPush, SnapshotPusher
 from aenv.orchestrator.store import Store
 from aenv.runtime.base import (
     LayerSealingDriver,
+    LivenessDriver,
     PausableDriver,
     PausedStateDriver,
     ReadyShape,
@@ -54,6 +61,9 @@ PAUSE_RETRY_S = 30  # a sandbox whose pause failed at expiry is tried again this
 MAX_FORK = 100  # children per fork call (the API limit; 16 is the case we optimise)
 SEAL_PREFIX = "seal-"  # layer ids of sealed writable layers (snapshots), owned by the manager
 RUNTIME_METADATA_KEY = "aenv.runtime"  # metadata naming a sandbox's runtime (SDK clients)
+DEAD_REASONS_KEPT = 1000  # why recently dead sandboxes are gone, for the 404s about them
+ENVD_CHECKS_AT_ONCE = 8  # envd health checks in flight (each one a connection into a sandbox)
+ENVD_CHECK_TIMEOUT_S = 5.0
 
 
 def utcnow() -> datetime:
@@ -84,6 +94,9 @@ class SandboxManager:
         self._load_driver = load_driver
         self._drivers_lock = asyncio.Lock()
         self._ensure_templates = ensure_templates
+        # Built-in templates made on first use (`code-interpreter-v1`): called with the name a
+        # create asks for, before it is looked up; returns at once for names it does not own.
+        self.template_provider: Callable[[str], Awaitable[None]] | None = None
         self._records: dict[str, SandboxRecord] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._sweeper: asyncio.Task[None] | None = None
@@ -93,12 +106,21 @@ class SandboxManager:
         # Snapshots live in the durable repository; `snapshots` is the bounded local cache in
         # front of it (None: snapshots stay local only, in layout.snapshots_dir).
         self.snapshots = snapshots
+        self._pusher = (SnapshotPusher(snapshots, self._snapshot_pushed)
+                        if snapshots is not None else None)
         # Paused sandboxes' state goes to the same repository (in the background).
         self._paused = PausedStateKeeper(snapshots.repository) if snapshots is not None else None
         # Sealed layers being made or used by a create that is not recorded yet: the layer
         # collector must not take them (layer id -> number of users).
         self._layers_in_flight: dict[str, int] = {}
         self._layer_locks: dict[str, asyncio.Lock] = {}
+        # Sandboxes found dead (and removed) -> why, the oldest dropped first.
+        self._dead: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._envd_unanswered_since: dict[str, float] = {}  # sandbox -> monotonic time
+        self._monitors: list[asyncio.Task[None]] = []
+        # Runtime name -> its driver if it is a LivenessDriver: asked every second per
+        # sandbox, and a Protocol isinstance() costs ~10 us.
+        self._liveness_drivers: dict[str, LivenessDriver | None] = {}
 
     # ---------------------------------------------------------------- start / stop
     async def start(self) -> None:
@@ -110,7 +132,14 @@ class SandboxManager:
         for rec in list(self.store.iter_sandboxes()):
             await self._reattach(rec)
         await self._collect_layers()
+        self._resume_pushes()
         self._sweeper = asyncio.create_task(self._sweep_forever(), name="aenv-ttl-sweeper")
+        if self.config.sandbox.liveness_interval_ms > 0:
+            self._monitors.append(asyncio.create_task(self._liveness_forever(),
+                                                      name="aenv-liveness"))
+        if self.config.sandbox.envd_check_interval_s > 0:
+            self._monitors.append(asyncio.create_task(self._envd_checks_forever(),
+                                                      name="aenv-envd-health"))
         if self.snapshots is not None and self.config.snapshot.gc_interval_s > 0:
             self._repository_gc = asyncio.create_task(self._gc_forever(), name="aenv-repo-gc")
 
@@ -128,7 +157,9 @@ class SandboxManager:
             envd_port=self.config.sandbox.envd_port, default_user=tpl.default_user)])
 
     async def close(self) -> None:
-        for task in (self._sweeper, self._repository_gc):
+        if self._pusher is not None:
+            await self._pusher.close()
+        for task in (self._sweeper, self._repository_gc, *self._monitors):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -194,6 +225,9 @@ class SandboxManager:
     def get(self, sandbox_id: str) -> SandboxRecord:
         rec = self._records.get(sandbox_id)
         if rec is None:
+            reason = self._dead.get(sandbox_id)
+            if reason is not None:
+                raise _gone(sandbox_id, reason)
             raise not_found(f"sandbox {sandbox_id} not found")
         return rec
 
@@ -238,9 +272,14 @@ class SandboxManager:
 
     async def create(self, req: CreateRequest) -> SandboxRecord:
         self._check_timeout(req.timeout_s)
+        if req.cpu_count is not None and req.cpu_count < 1 or \
+                req.memory_mb is not None and req.memory_mb < 64:
+            raise invalid("cpuCount must be >= 1 and memoryMB >= 64")
         for name, bag in (("metadata", req.metadata), ("envVars", req.env_vars)):
             if not all(isinstance(k, str) and isinstance(v, str) for k, v in bag.items()):
                 raise invalid(f"{name} must map strings to strings")
+        if self.template_provider is not None:
+            await self.template_provider(req.template)
         tpl = self.find_template(req.template)
         if tpl.runtime is not None and req.runtime not in (None, tpl.runtime):
             raise invalid(f"snapshot {tpl.template_id} was taken by the {tpl.runtime} runtime; "
@@ -253,8 +292,8 @@ class SandboxManager:
         rec = SandboxRecord(
             sandbox_id=new_sandbox_id(), template_id=tpl.template_id, client_id=new_client_id(),
             state=SandboxState.CREATING, started_at=now,
-            end_at=now + timedelta(seconds=req.timeout_s), cpu_count=tpl.cpu_count,
-            memory_mb=tpl.memory_mb, disk_size_mb=tpl.disk_size_mb,
+            end_at=now + timedelta(seconds=req.timeout_s), cpu_count=req.cpu_count or tpl.cpu_count,
+            memory_mb=req.memory_mb or tpl.memory_mb, disk_size_mb=tpl.disk_size_mb,
             envd_access_token=new_access_token(), metadata=dict(req.metadata),
             env_vars={**tpl.env_vars, **req.env_vars}, alias=tpl.names[0] if tpl.names else None,
             auto_pause=req.auto_pause, auto_resume=req.auto_resume,
@@ -296,7 +335,7 @@ class SandboxManager:
             envd_access_token=rec.envd_access_token, default_user=tpl.default_user,
             default_workdir=tpl.default_workdir,
             allow_internet_access=rec.allow_internet_access,
-            envd_port=self.config.sandbox.envd_port,
+            envd_port=self.config.sandbox.envd_port, disk_size_mb=rec.disk_size_mb,
         )
 
     def on_stop_serving(self, listener: Callable[[str], None]) -> None:
@@ -362,6 +401,7 @@ class SandboxManager:
                 return await self._resume_locked(rec, timeout_s), True
             if rec.state is not SandboxState.RUNNING:
                 raise AenvError(ErrorCode.CONFLICT, f"sandbox {sandbox_id} is {rec.state.value}")
+            await self._require_alive_locked(rec)
             end = max(rec.end_at, utcnow() + timedelta(seconds=timeout_s))
             return self._commit(replace(rec, end_at=end)), False
 
@@ -376,14 +416,20 @@ class SandboxManager:
             if not isinstance(driver, PausableDriver):
                 raise AenvError(ErrorCode.NOT_SUPPORTED,
                                 f"pause is not supported by the {rec.runtime} runtime yet")
+            await self._require_alive_locked(rec)
             t0 = time.monotonic()
             self._commit(replace(rec, state=SandboxState.PAUSING))
             self._stopped_serving(sandbox_id)
             t1 = time.monotonic()
             try:
                 handle = await driver.pause(self._handle(rec))
+            except AenvError:
+                # A failed checkpoint leaves the sandbox running (CRIU resumes it), unless
+                # it failed because the sandbox had died.
+                self._commit(rec)
+                await self._require_alive_locked(rec)
+                raise
             except BaseException:
-                # A failed checkpoint leaves the sandbox running (CRIU resumes it).
                 self._commit(rec)
                 raise
             t2 = time.monotonic()
@@ -439,32 +485,52 @@ class SandboxManager:
 
     async def snapshot(self, sandbox_id: str, name: str | None = None) -> TemplateRecord:
         """Capture a running sandbox (paused only while it is frozen) as a template that new
-        sandboxes start from, by id or name. The snapshot (its image and every sealed layer
-        it stacks on) is in the repository (durable) before it is listed."""
+        sandboxes start from, by id or name. Listed as soon as it is captured: its image goes
+        into the local cache (pinned) and, with every sealed layer it stacks on, to the
+        repository in the background (`orchestrator/pushes.py`; `in_repository` says when)."""
         tpl = await self._capture(sandbox_id, name)
         with self._layers_held(tpl.layers):
             if self.snapshots is not None:
                 images = Path(tpl.image or "")
+                self.snapshots.pin(tpl.template_id)  # no eviction between adopt and the push
                 try:
-                    repository = self.snapshots.repository
-                    pushed = await repository.push(tpl.template_id, images)
-                    size, stored = pushed.bytes_total, pushed.bytes_uploaded
-                    for layer in tpl.layers:
-                        if layer.startswith(SEAL_PREFIX) and not await repository.exists(
-                                _layer_key(layer)):
-                            pushed = await repository.push(_layer_key(layer),
-                                                           self.layout.layer(layer))
-                            size, stored = size + pushed.bytes_total, stored + pushed.bytes_uploaded
                     await self.snapshots.adopt(tpl.template_id, images)
-                    tpl.size_bytes, tpl.stored_bytes = size, stored
-                    log.info("snapshot %s of %s: %d bytes, %d new in the repository",
-                             tpl.template_id, sandbox_id, size, stored)
                 except BaseException:
                     await asyncio.to_thread(shutil.rmtree, images, True)
                     raise
-                tpl.image = tpl.template_id
+                finally:
+                    self.snapshots.unpin(tpl.template_id)
+                tpl.image, tpl.in_repository = tpl.template_id, False
             self.store.put_template(tpl)
+            if not tpl.in_repository:
+                self._push_in_background(tpl)
         return tpl
+
+    def _push_in_background(self, tpl: TemplateRecord) -> None:
+        """Hand a snapshot not yet in the repository to the pusher (it pins the image)."""
+        assert self._pusher is not None and tpl.image is not None
+        layers = tuple((_layer_key(layer), self.layout.layer(layer)) for layer in tpl.layers
+                       if layer.startswith(SEAL_PREFIX))
+        self._pusher.start(PendingPush(tpl.image, layers))
+
+    async def _snapshot_pushed(self, snapshot_id: str, size: int, stored: int) -> None:
+        tpl = self.store.find_template(snapshot_id)
+        if tpl is not None:
+            self.store.put_template(replace(tpl, size_bytes=size, stored_bytes=stored,
+                                            in_repository=True))
+
+    def _resume_pushes(self) -> None:
+        """Pushes a restart cut short start again (the image is still in the local cache)."""
+        if self._pusher is None or self.snapshots is None:
+            return
+        for tpl in self.store.iter_templates():
+            if tpl.in_repository or tpl.image is None:
+                continue
+            if tpl.image in self.snapshots:
+                self._push_in_background(tpl)
+            else:
+                log.error("snapshot %s was never pushed to the repository and its image is "
+                          "gone from the local cache: it cannot be used", tpl.template_id)
 
     async def _capture(self, sandbox_id: str, name: str | None) -> TemplateRecord:
         """Checkpoint a running sandbox into a local image; the record is not stored. Its
@@ -476,6 +542,7 @@ class SandboxManager:
             rec = self.get(sandbox_id)
             if rec.state is not SandboxState.RUNNING:
                 raise AenvError(ErrorCode.CONFLICT, f"sandbox {sandbox_id} is {rec.state.value}")
+            await self._require_alive_locked(rec)
             driver = _snapshot_driver(self._driver(rec))
             source = self.find_template(rec.template_id)
             layers = list(rec.layers or source.layers)
@@ -617,10 +684,13 @@ class SandboxManager:
         if tpl.image.startswith("/"):
             await asyncio.to_thread(shutil.rmtree, tpl.image, True)
         elif self.snapshots is not None:
+            if self._pusher is not None:
+                await self._pusher.cancel(tpl.image)
             if tpl.image in self.snapshots and not self.snapshots.is_pinned(tpl.image):
                 await self.snapshots.evict(tpl.image)
             repository = self.snapshots.repository
-            await repository.delete(tpl.image)
+            if await repository.exists(tpl.image):
+                await repository.delete(tpl.image)
             # Its sealed layers leave the repository with the last snapshot that stacks on them.
             still_used = {layer for t in self.store.iter_templates() for layer in t.layers}
             for layer in tpl.layers:
@@ -691,10 +761,150 @@ class SandboxManager:
                     rec = await self._resume_locked(rec, self.config.sandbox.timeout_s)
         if rec.state is not SandboxState.RUNNING:
             raise AenvError(ErrorCode.UNAVAILABLE, f"sandbox {sandbox_id} is {rec.state.api_state}")
-        return await self._driver(rec).connect(self._handle(rec), port)
+        try:
+            return await self._driver(rec).connect(self._handle(rec), port)
+        except AenvError as exc:
+            if exc.code is ErrorCode.UNAVAILABLE and (reason := self._exit_reason(rec)):
+                await self._bury(rec, reason)
+                raise _gone(sandbox_id, reason) from None
+            raise
 
     def running_ids(self) -> list[str]:
         return [r.sandbox_id for r in self._records.values() if r.state is SandboxState.RUNNING]
+
+    # ---------------------------------------------------------------- dead sandboxes
+    def _exit_reason(self, rec: SandboxRecord) -> str | None:
+        """Why a sandbox on record as running is not, as its driver sees it (None: alive,
+        or the driver cannot tell)."""
+        if rec.runtime not in self._liveness_drivers:
+            driver = self._drivers.get(rec.runtime)
+            if driver is None:
+                return None
+            self._liveness_drivers[rec.runtime] = (
+                driver if isinstance(driver, LivenessDriver) else None)
+        liveness = self._liveness_drivers[rec.runtime]
+        if liveness is None:
+            return None
+        try:
+            return liveness.exit_reason(self._handle(rec))
+        except (AenvError, OSError) as exc:
+            log.warning("sandbox %s: liveness check failed: %s", rec.sandbox_id, exc)
+            return None
+
+    async def _require_alive_locked(self, rec: SandboxRecord) -> None:
+        """Before (and after a failed) operation on a running sandbox, with its lock held:
+        a sandbox that died is removed and the caller gets the 404 saying why."""
+        reason = self._exit_reason(rec)
+        if reason is not None:
+            await self._bury_locked(rec, reason)
+            raise _gone(rec.sandbox_id, reason)
+
+    async def _bury_locked(self, rec: SandboxRecord, reason: str) -> None:
+        """Remove a running sandbox that died: its record, whatever the driver still holds
+        for it (cgroups, network slot, workspace), and keep why for the 404s about it."""
+        sandbox_id = rec.sandbox_id
+        log.warning("sandbox %s died: %s; removing it", sandbox_id, reason)
+        self._dead[sandbox_id] = reason
+        while len(self._dead) > DEAD_REASONS_KEPT:
+            self._dead.popitem(last=False)
+        self._envd_unanswered_since.pop(sandbox_id, None)
+        # Gone for every caller from now on (404 with the reason), not "paused" while the
+        # cleanup runs; the stored record (killing) lets a restarted server finish it.
+        self._records.pop(sandbox_id, None)
+        self.store.put_sandbox(replace(rec, state=SandboxState.KILLING))
+        self._stopped_serving(sandbox_id)
+        t0 = time.monotonic()
+        try:
+            await self._driver(rec).destroy(self._handle(rec))
+        except AenvError as exc:
+            log.error("sandbox %s: cleanup after its death failed: %s", sandbox_id, exc.message)
+        finally:
+            self._locks.pop(sandbox_id, None)
+            self.store.delete_sandbox(sandbox_id)
+        log.info("sandbox %s: cleaned up after its death in %.1f ms", sandbox_id,
+                 (time.monotonic() - t0) * 1e3)
+
+    async def _bury(self, seen: SandboxRecord, reason: str | None) -> bool:
+        """`_bury_locked` for a sandbox found dead without its lock: re-checked under it (an
+        operation may have paused, resumed or killed it meanwhile: then its record is not
+        the one `seen` any more). `reason` None: ask the driver."""
+        sandbox_id = seen.sandbox_id
+        async with self._lock(sandbox_id):
+            rec = self._records.get(sandbox_id)
+            if rec is None or rec.state is not SandboxState.RUNNING or rec.handle != seen.handle:
+                return False
+            reason = reason if reason is not None else self._exit_reason(rec)
+            if reason is None:
+                return False
+            await self._bury_locked(rec, reason)
+        return True
+
+    def _idle_running(self) -> list[SandboxRecord]:
+        """Running sandboxes no operation holds right now (a snapshot freezes a sandbox
+        while its record says running; its lock tells)."""
+        return [r for r in self._records.values() if r.state is SandboxState.RUNNING
+                and not (r.sandbox_id in self._locks and self._locks[r.sandbox_id].locked())]
+
+    async def _liveness_forever(self) -> None:
+        interval = self.config.sandbox.liveness_interval_ms / 1000
+        while True:
+            await asyncio.sleep(interval)
+            buried = False
+            for rec in self._idle_running():
+                try:
+                    reason = self._exit_reason(rec)
+                    if reason is not None:
+                        buried = await self._bury(rec, None) or buried
+                except Exception:  # one bad sandbox must not stop the monitor
+                    log.exception("liveness check of sandbox %s failed", rec.sandbox_id)
+            if buried:
+                await self._collect_layers()
+
+    async def _envd_checks_forever(self) -> None:
+        interval = self.config.sandbox.envd_check_interval_s
+        limit = asyncio.Semaphore(ENVD_CHECKS_AT_ONCE)
+        while True:
+            await asyncio.sleep(interval)
+            running = self._idle_running()
+            ids = {r.sandbox_id for r in running}
+            for gone in set(self._envd_unanswered_since) - ids:
+                del self._envd_unanswered_since[gone]
+            results = await asyncio.gather(*[self._check_envd(rec, limit) for rec in running],
+                                           return_exceptions=True)
+            buried = False
+            for rec, answered in zip(running, results, strict=True):
+                if answered is True:
+                    self._envd_unanswered_since.pop(rec.sandbox_id, None)
+                    continue
+                since = self._envd_unanswered_since.setdefault(rec.sandbox_id, time.monotonic())
+                silent = time.monotonic() - since
+                if silent < self.config.sandbox.envd_unanswered_s:
+                    continue
+                # Its process may be gone (the driver knows why) or alive but hung.
+                reason = self._exit_reason(rec) or (
+                    f"envd has not answered health checks for {silent:.0f} s ({answered!r})")
+                buried = await self._bury(rec, reason) or buried
+            if buried:
+                await self._collect_layers()
+
+    async def _check_envd(self, rec: SandboxRecord, limit: asyncio.Semaphore) -> bool:
+        """One `GET /health` to the sandbox's envd, as the proxy reaches it; True if it
+        answered 2xx in time. Raises (the failure, for the reason) otherwise."""
+        async with limit:
+            sock = await self._driver(rec).connect(self._handle(rec),
+                                                   self.config.sandbox.envd_port)
+            loop = asyncio.get_running_loop()
+            try:
+                async with asyncio.timeout(ENVD_CHECK_TIMEOUT_S):
+                    await loop.sock_sendall(sock, b"GET /health HTTP/1.1\r\nHost: envd\r\n"
+                                                  b"Connection: close\r\n\r\n")
+                    head = await loop.sock_recv(sock, 64)
+            finally:
+                sock.close()
+        parts = head.split(b" ", 2)
+        if len(parts) >= 2 and parts[0].startswith(b"HTTP/") and parts[1].startswith(b"2"):
+            return True
+        raise AenvError(ErrorCode.UNAVAILABLE, f"envd answered {head[:32]!r}")
 
     # ---------------------------------------------------------------- TTL
     async def _sweep_forever(self) -> None:
@@ -731,6 +941,8 @@ class SandboxManager:
                 log.info("sandbox %s expired and was paused", sandbox_id)
                 return
             except AenvError as exc:
+                if exc.code is ErrorCode.NOT_FOUND:
+                    return  # it had died: removed with its reason (see _bury_locked)
                 if exc.code is not ErrorCode.NOT_SUPPORTED:
                     # Keep it running (nothing is lost) and try again later rather than on
                     # every sweep: a failed checkpoint costs the host a CRIU run each time.
@@ -746,6 +958,10 @@ class SandboxManager:
                             sandbox_id)
         await self.kill(sandbox_id)
         log.info("sandbox %s expired and was killed", sandbox_id)
+
+
+def _gone(sandbox_id: str, reason: str) -> AenvError:
+    return not_found(f"sandbox {sandbox_id} not found: it stopped running ({reason})")
 
 
 def _snapshot_driver(driver: RuntimeDriver) -> SnapshotDriver:

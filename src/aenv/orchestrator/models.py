@@ -49,6 +49,9 @@ class TemplateRecord:
     runtime: str | None = None  # the runtime that took the image (only it can restore it)
     size_bytes: int | None = None  # the image's size
     stored_bytes: int | None = None  # what it added to the repository (the rest was deduplicated)
+    # False while a snapshot's image and sealed layers are still being pushed to the
+    # repository in the background (orchestrator/pushes.py); usable on its node meanwhile.
+    in_repository: bool = True
     # Templates pulled from an OCI image: registry/repository@sha256:<manifest digest>.
     source_image: str | None = None
 
@@ -88,6 +91,8 @@ class CreateRequest:
     auto_resume: bool = False
     allow_internet_access: bool = True
     runtime: str | None = None  # a runtime driver by name; None: the server's default
+    cpu_count: int | None = None  # None: the template's
+    memory_mb: int | None = None  # None: the template's
 
 
 @dataclass

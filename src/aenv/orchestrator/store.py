@@ -6,8 +6,10 @@ Calls are synchronous and sub-millisecond; the orchestrator calls them from the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 import sqlite3
 from collections.abc import Iterator
 from datetime import datetime
@@ -60,6 +62,12 @@ def _template_from_json(body: str) -> TemplateRecord:
 class Store:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        # The records hold every sandbox's envd token: the file is the server's alone, and
+        # SQLite gives the -wal and -shm files it creates the database file's mode.
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+        for name in (path.name, path.name + "-wal", path.name + "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                os.chmod(path.with_name(name), 0o600)
         self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")

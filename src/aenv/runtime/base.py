@@ -30,6 +30,9 @@ class SandboxSpec:
     default_workdir: str | None = None
     allow_internet_access: bool = True
     envd_port: int = 49983
+    # The sandbox's writable disk, MiB: writes past it fail inside the sandbox (ENOSPC or
+    # EDQUOT) where the driver can bound it. None: unbounded (the host filesystem's size).
+    disk_size_mb: int | None = None
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,17 @@ class RuntimeDriver(Protocol):
 
     async def destroy(self, handle: RuntimeHandle) -> None:
         """Stop every process of the sandbox and free its resources. Idempotent."""
+
+
+@runtime_checkable
+class LivenessDriver(Protocol):
+    """A driver that can tell cheaply whether a running sandbox's own process (a container's
+    init, which is envd; a VM's hypervisor process) still exists. The orchestrator asks about
+    every running sandbox every second and removes one that died, with the reason."""
+
+    def exit_reason(self, handle: RuntimeHandle) -> str | None:
+        """None while the sandbox's process runs; else why it is gone, for people
+        ("envd, its init, was killed by the out-of-memory killer"). Must not block."""
 
 
 @runtime_checkable

@@ -44,6 +44,11 @@ class LiveProcess:
     netns_fd: int | None = None
     cpu_used: int | None = None
     cpu_at: float = 0.0
+    # OOM kills in the sandbox counted at the last two checks that found this process alive
+    # (older first): a driver's `exit_reason` tells an OOM kill of it from other deaths by
+    # the count rising since the older one (a process the OOM killer took still looks alive
+    # while it exits, and the newer count may already include its own kill).
+    oom_kills: tuple[int, int] = (0, 0)
 
     def close_netns(self) -> None:
         if self.netns_fd is not None:

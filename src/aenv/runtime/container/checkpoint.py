@@ -128,6 +128,31 @@ fi
 """
 
 
+# Why a sandbox in a user namespace (SecurityConfig.userns) cannot be paused, snapshotted or
+# forked: CRIU 4.2.1 dumps a tree in a user namespace only if every other namespace of it
+# belongs to that user namespace (criu/namespaces.c, "One or more namespaces doesn't belong
+# to the target user namespace"), and it restores them by creating them inside it. Ours
+# belong to the host's user namespace on purpose: the network slot (made ahead of time by the
+# host, veth on the bridge) and the mount namespace whose mounts need the host's root
+# (idmapped overlay root). Re-creating mnt/uts/ipc/net inside the user namespace lets CRIU
+# dump and restore a loopback-only sandbox, but CRIU's root task then runs as the sandbox's
+# root: it cannot join a slot's network namespace (the default: internet access), mount
+# sysfs for it, or open an external bind mount's source under a directory it cannot search
+# (EACCES, measured). Lifting this needs CRIU patches (docs/criu-notes.md).
+USERNS_NOT_CHECKPOINTABLE = (
+    "sandboxes in user namespaces (security.userns) cannot be checkpointed by CRIU 4.2.1: "
+    "pause, snapshot and fork need security.userns off")
+
+
+@dataclass(frozen=True)
+class UsernsRange:
+    """The host ids a node's sandboxes run as: ids 0..size-1 of each sandbox's user
+    namespace are host ids host_id.. (config: SecurityConfig.userns_*)."""
+
+    host_id: int
+    size: int
+
+
 @dataclass(frozen=True)
 class DumpStats:
     """Timings of one dump, in seconds. `frozen_s`: how long the sandbox was not running
@@ -340,6 +365,8 @@ async def dump(init_pid: int, images_dir: Path, *, freezer: Path, leave_running:
     dump leaves the sandbox running, a pause leaves an empty, thawed cgroup for the resume.
     """
     t0 = time.monotonic()
+    if os.stat(f"/proc/{init_pid}/ns/user").st_ino != os.stat("/proc/self/ns/user").st_ino:
+        raise AenvError(ErrorCode.NOT_SUPPORTED, USERNS_NOT_CHECKPOINTABLE)
     images_dir.mkdir(parents=True, exist_ok=True)
     if (images_dir / "inventory.img").exists():
         raise AenvError(ErrorCode.CONFLICT, f"{images_dir} already holds an image")

@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import logging
 import os
 import re
 import secrets
@@ -54,11 +55,12 @@ from aenv.config import Config
 from aenv.errors import AenvError, ErrorCode
 from aenv.runtime import etc_files, pybundle
 from aenv.runtime.base import ReadyShape, ResourceUsage, RuntimeHandle, SandboxSpec
-from aenv.runtime.container import cgroups, checkpoint, layers, linux, zygote
+from aenv.runtime.container import cgroups, checkpoint, layers, linux, seccomp, zygote
 from aenv.runtime.container.network import NetworkPool
 from aenv.runtime.envd_init import init_body, post_init
 from aenv.runtime.process import LiveProcess, kill_and_wait
 
+log = logging.getLogger(__name__)
 _ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")  # a hostname label and a path component
 _POOL_PREFIX = "pool-"
 # How long a sandbox stays paused before its state is synced to disk (the same delay as the
@@ -203,6 +205,17 @@ class ContainerDriver:
         me = os.getpid()
         self._pool_owner = f"{me}-{linux.proc_start_time(me)}"
         self._bundle_version: str | None = None
+        # The sandboxes' seccomp program (seccomp.py), compiled once by start(); None: off.
+        self._seccomp_program: bytes | None = None
+        # Per-sandbox disk quotas (btrfs simple quotas on the workspaces' filesystem), set
+        # at start(); False where the filesystem cannot (ext4: the disk size is advisory).
+        self._disk_quota = False
+        # Sandboxes in user namespaces (SecurityConfig.userns): the node's id range (each
+        # sandbox its own namespace, made by the fork-server). None: they run as host root.
+        self.userns = (checkpoint.UsernsRange(config.security.userns_host_id,
+                                              config.security.userns_size)
+                       if config.security.userns else None)
+        self._home_bind = False  # whether start() bind-mounted the home nosuid,nodev
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -219,11 +232,21 @@ class ContainerDriver:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.staging.mkdir(exist_ok=True)
         self.pool_dir.mkdir(exist_ok=True)
+        # Sandboxes write their files (uppers, sealed layers) into the home, as their root
+        # or any uid they like: from the host, a setuid file or device node made there must
+        # be inert for a local user who reaches it (with or without user namespaces). Inside
+        # a sandbox, setuid programs still work: the overlay root is a mount of its own.
+        # Usually the storage volume (storage/volume.py) is mounted so already; else (the
+        # home's own filesystem holds them) the home becomes a nosuid,nodev bind mount.
+        self._home_bind = await asyncio.to_thread(self._protect_storage) or self._home_bind
+        self._disk_quota = await asyncio.to_thread(_enable_disk_quota, self.state_dir)
         await asyncio.to_thread(self._sweep_warm, None)  # left by a dead fork-server
         # Unclaimed pool sandboxes of a server that died (kill -9): before the network
         # starts, so that their slots count as abandoned.
         await asyncio.to_thread(self._sweep_pool_orphans)
         await asyncio.to_thread(self._make_driver_layer)
+        if self.config.security.seccomp:
+            self._seccomp_program = await asyncio.to_thread(seccomp.compile_filter)
         # The event loop thread's own network namespace, to switch back to after connect().
         self._host_netns = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         self._host_uts = os.open("/proc/self/ns/uts", os.O_RDONLY | os.O_CLOEXEC)
@@ -294,6 +317,10 @@ class ContainerDriver:
         if self._host_uts >= 0:
             os.close(self._host_uts)
             self._host_uts = -1
+        if self._home_bind:
+            with contextlib.suppress(OSError):
+                linux.umount2(str(self.config.home), linux.MNT_DETACH)
+            self._home_bind = False
 
     async def _ensure_network(self) -> None:
         async with self._network_lock:  # concurrent first creates: set up once
@@ -335,11 +362,16 @@ class ContainerDriver:
             await asyncio.to_thread(proc.wait)
             tail = (self.state_dir / "zygote.log").read_text(errors="replace")[-2000:]
             raise AenvError(ErrorCode.UNAVAILABLE, f"container fork-server failed: {tail}")
+        # hex: JSON has no bytes; the zygote decodes it once.
+        program = None if self._seccomp_program is None else self._seccomp_program.hex()
         writer.write(json.dumps({"op": "configure", "warm": self.warm_processes,
                                  "bundle": str(self.bundle), "staging": str(self.staging),
                                  "subvolumes": linux.on_btrfs(str(self.staging)),
                                  "cgroups": self.cgroups.zygote_config(),
-                                 "max_setups": self.max_concurrent_setups}).encode() + b"\n")
+                                 "max_setups": self.max_concurrent_setups,
+                                 "userns": None if self.userns is None else {
+                                     "host_id": self.userns.host_id, "size": self.userns.size},
+                                 "seccomp": program}).encode() + b"\n")
         zygote.task = asyncio.get_running_loop().create_task(zygote.pump())
         return zygote
 
@@ -375,6 +407,7 @@ class ContainerDriver:
             "sandbox_id": spec.sandbox_id,
             "hostname": spec.sandbox_id,
             "lower": [str(self.driver_layer), *(str(p) for p in spec.lower_layers)],
+            "lower_shifted": [str(p) for p in self._shifted_layers(spec.lower_layers)],
             "workspace": str(spec.workspace),
             "memory_mb": spec.memory_mb,
             "cgroup_limits": self.cgroups.limits(spec.memory_mb, spec.cpu_count,
@@ -392,6 +425,22 @@ class ContainerDriver:
                 "is_init": True,
             },
         }
+
+    def _protect_storage(self) -> bool:
+        home = self.config.home
+        # (state_dir exists by now: start() made it)
+        stored = [p for p in (home / "sandboxes", home / "layers", home / "snapshots",
+                              self.state_dir) if p.exists()]
+        if all(os.statvfs(p).f_flag & os.ST_NOSUID and os.statvfs(p).f_flag & os.ST_NODEV
+               for p in stored):
+            return False
+        return linux.mount_nosuid_nodev(str(home))
+
+    def _shifted_layers(self, lower: Sequence[Path]) -> list[Path]:
+        """The layers of `lower` stacked without an idmapped mount (they hold shifted ids)."""
+        if self.userns is None:
+            return []
+        return [p for p in lower if layers.stores_shifted_ids(p, self.userns.host_id)]
 
     async def create(self, spec: SandboxSpec) -> RuntimeHandle:
         self._check_spec(spec)
@@ -463,6 +512,7 @@ class ContainerDriver:
                             f"sandbox {spec.sandbox_id} failed to start: {reply.get('error')}")
         data["pid"] = int(reply["pid"])
         data["start_time"] = int(reply["start_time"])
+        self._limit_disk(spec, data)
         self._live[spec.sandbox_id] = LiveProcess(data["pid"], data["start_time"], cpu_used=0,
                                             cpu_at=time.monotonic())
         if timings:
@@ -615,6 +665,7 @@ class ContainerDriver:
                 data["workspace"] = str(spec.workspace)
         except OSError:
             pass  # another filesystem, or something is there: it stays in the pool dir
+        self._limit_disk(spec, data)
         self._set_identity(sid, live, data)
 
     def _set_identity(self, sid: str, live: LiveProcess, data: dict[str, Any]) -> None:
@@ -738,6 +789,20 @@ class ContainerDriver:
             self.network.claim(slot)
         return True
 
+    def exit_reason(self, handle: RuntimeHandle) -> str | None:
+        """`LivenessDriver`: whether the sandbox's init (envd) runs, by pid and start time.
+        The memory cgroup's OOM-kill count is read before that check and kept while it runs:
+        a count that rose by the time the init is gone means the OOM killer took it."""
+        live = self._live_of(handle)
+        kills = _oom_kills(self.cgroups, handle.sandbox_id)
+        if live.alive():
+            live.oom_kills = (live.oom_kills[1], kills)
+            return None
+        if _oom_kills(self.cgroups, handle.sandbox_id) > live.oom_kills[0]:
+            return ("envd, the sandbox's init, was killed by the out-of-memory killer "
+                    "(the sandbox used all of its memory)")
+        return "envd, the sandbox's init, exited or was killed"
+
     def _netns_fd(self, handle: RuntimeHandle, live: LiveProcess) -> int:
         if live.netns_fd is None:
             try:
@@ -776,7 +841,8 @@ class ContainerDriver:
             mem_total_bytes=sample.mem_limit,
             mem_cache_bytes=sample.mem_cache,
             disk_used_bytes=disk,
-            disk_total_bytes=self.config.sandbox.disk_size_mb * 2**20,
+            disk_total_bytes=int(handle.data.get("disk_size_mb")
+                                 or self.config.sandbox.disk_size_mb) * 2**20,
         )
 
     # ------------------------------------------------------------------ pause / resume
@@ -796,7 +862,7 @@ class ContainerDriver:
             raise AenvError(ErrorCode.UNAVAILABLE, f"sandbox {sid} is not running")
         await self._require_criu()
         data = dict(handle.data)
-        images = Path(data["workspace"]) / "checkpoints" / f"pause-{time.time_ns()}"
+        images = self._checkpoints_dir(Path(data["workspace"])) / f"pause-{time.time_ns()}"
         stats = await checkpoint.dump(live.pid, images, freezer=self.cgroups.path("freezer", sid),
                                       leave_running=False, bundle=self.bundle,
                                       bundle_version=data.get("bundle_version"),
@@ -847,6 +913,7 @@ class ContainerDriver:
         if not workspace.exists():
             # A subvolume on btrfs, as for any sandbox; its empty upper is filled by the pull.
             await checkpoint.prepare_workspace(workspace)
+            self._checkpoints_dir(workspace)
 
     async def resume(self, handle: RuntimeHandle, spec: SandboxSpec) -> RuntimeHandle:
         with self._in_flight(handle.sandbox_id):
@@ -859,6 +926,8 @@ class ContainerDriver:
         if not images or not Path(images).is_dir():
             raise AenvError(ErrorCode.NOT_FOUND, f"sandbox {sid}: no paused image to resume from")
         await self._require_criu()
+        # Again on every resume: the workspace may have been pulled back from the repository.
+        self._limit_disk(spec, data)
         if not self.cgroups.exists(sid):  # gone with a host reboot, or never on this node
             await asyncio.to_thread(checkpoint.create_cgroups, self.cgroups, sid,
                                     memory_mb=spec.memory_mb, cpu_count=spec.cpu_count,
@@ -887,6 +956,33 @@ class ContainerDriver:
         self._background(asyncio.to_thread(shutil.rmtree, images, True))
         return RuntimeHandle(self.name, sid, data)
 
+    # ------------------------------------------------------------------ disk quota
+    def _limit_disk(self, spec: SandboxSpec, data: dict[str, Any]) -> None:
+        """The sandbox's disk size as the quota of its workspace subvolume (upper and the
+        overlay's work dir): writes past it fail with EDQUOT inside the sandbox. Idempotent;
+        blocking (~40 us, one ioctl). A workspace that is no subvolume (built in place after a
+        failed rename) is left alone: a quota there would limit its parent subvolume."""
+        if not self._disk_quota or spec.disk_size_mb is None:
+            return
+        workspace = data["workspace"]
+        if not linux.is_subvolume(workspace):
+            return
+        linux.subvolume_limit(workspace, spec.disk_size_mb * 2**20)
+        data["disk_size_mb"] = spec.disk_size_mb
+
+    def _checkpoints_dir(self, workspace: Path) -> Path:
+        """`<workspace>/checkpoints`, where pauses write their images: a subvolume of its
+        own where quotas are on, so that a pause's memory image is not charged to the
+        sandbox's disk quota (a sandbox with a full disk can still be paused). Blocking."""
+        path = workspace / "checkpoints"
+        if not path.exists():
+            if self._disk_quota and linux.is_subvolume(str(workspace)):
+                linux.subvolume_create(str(path))
+            else:
+                path.mkdir()
+        path.chmod(0o700)  # process memory, envd's token included
+        return path
+
     # ------------------------------------------------------------------ snapshot / copies
     async def snapshot(self, handle: RuntimeHandle, images: Path) -> dict[str, float]:
         """Checkpoint a running sandbox into `images` (memory, processes, and a copy of its
@@ -901,6 +997,9 @@ class ContainerDriver:
             upper=Path(handle.data["workspace"]) / "upper", bundle=self.bundle,
             bundle_version=handle.data.get("bundle_version"),
             external_netns=bool(handle.data.get("slot")))
+        log.info("snapshot of %s: frozen %.1f ms (sealing the writable layer %.1f ms), "
+                 "dump %.1f ms", sid, stats.frozen_s * 1e3, stats.copy_s * 1e3,
+                 stats.total_s * 1e3)
         return {"frozen_s": stats.frozen_s, "total_s": stats.total_s,
                 "image_bytes": float(stats.image_bytes)}
 
@@ -922,6 +1021,7 @@ class ContainerDriver:
                                 "envd_port": spec.envd_port, "slot": None, "address": None}
         try:
             await checkpoint.prepare_workspace(spec.workspace)
+            self._limit_disk(spec, data)
             await asyncio.to_thread(checkpoint.create_cgroups, self.cgroups, sid,
                                     memory_mb=spec.memory_mb, cpu_count=spec.cpu_count,
                                     pids_max=spec.pids_max)
@@ -1011,6 +1111,34 @@ class ContainerDriver:
                                 f"sandbox {sandbox_id}: processes {pids} do not die")
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.05)
+
+
+def _enable_disk_quota(path: Path) -> bool:
+    """Turn on btrfs simple quotas where `path` is on btrfs; False elsewhere or where the
+    kernel cannot (simple quotas need 6.7), so that sandbox disks stay unbounded."""
+    if not linux.on_btrfs(str(path)):
+        log.warning("%s is not on btrfs: sandbox disk sizes are not enforced", path)
+        return False
+    try:
+        linux.btrfs_enable_simple_quota(str(path))
+    except OSError as exc:
+        log.warning("btrfs simple quotas unavailable (%s): sandbox disk sizes are not enforced",
+                    exc)
+        return False
+    return True
+
+
+def _oom_kills(layout: cgroups.CgroupLayout, sandbox_id: str) -> int:
+    """Processes of the sandbox the OOM killer has killed (cgroup v1 `memory.oom_control`)."""
+    try:
+        text = layout.read("memory", sandbox_id, "memory.oom_control")
+    except OSError:
+        return 0
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill":
+            return int(value)
+    return 0
 
 
 def _disk_usage(root: Path) -> int:

@@ -42,11 +42,25 @@ def is_opaque(path: Path) -> bool:
         return False
 
 
+def stores_shifted_ids(path: Path, root_id: int) -> bool:
+    """Whether the layer at `path` holds ids already shifted into a sandbox user namespace
+    whose root is host uid `root_id`: a sealed upper of such a sandbox (its root directory,
+    the sandbox's "/", belongs to the sandbox's root). Those are stacked as they are; other
+    layers (templates' base and OCI layers, the driver's, sealed uppers of sandboxes without
+    a user namespace) hold host ids and are idmapped into the sandbox's range."""
+    return root_id != 0 and os.stat(path).st_uid == root_id
+
+
 def remove_layer(path: Path) -> None:
     """Delete a layer directory, a read-only btrfs subvolume included. Idempotent."""
     if not os.path.lexists(path):
         return
     if linux.is_subvolume(str(path)):
+        # A workspace holds a nested subvolume (`checkpoints`, the driver's): the kernel
+        # refuses to delete a subvolume that still contains one.
+        for nested in path.iterdir():
+            if nested.is_dir() and not nested.is_symlink() and linux.is_subvolume(str(nested)):
+                remove_layer(nested)
         linux.subvolume_delete(str(path))
     else:
         shutil.rmtree(path)

@@ -1,5 +1,6 @@
-"""A minimal rtnetlink client: the few link/address/route operations network slots need,
-without running `ip` (a process per step costs milliseconds; a netlink message, microseconds).
+"""A minimal rtnetlink client: the few link, address, route and bridge-port operations network
+slots need, without running `ip` (a process per step costs milliseconds; a netlink message,
+microseconds).
 
 Owns: nothing; each `Netlink` is a socket bound to the network namespace of the thread that
 created it, and every method is one request answered by one acknowledgement.
@@ -15,10 +16,14 @@ from types import TracebackType
 from typing import Self
 
 NETLINK_ROUTE = 0
-RTM_NEWLINK, RTM_DELLINK, RTM_NEWADDR, RTM_NEWROUTE = 16, 17, 20, 24
+RTM_NEWLINK, RTM_DELLINK, RTM_SETLINK, RTM_NEWADDR, RTM_NEWROUTE = 16, 17, 19, 20, 24
 NLMSG_ERROR = 2
 NLM_F_REQUEST, NLM_F_ACK, NLM_F_EXCL, NLM_F_CREATE = 0x1, 0x4, 0x200, 0x400
-IFLA_IFNAME, IFLA_MASTER, IFLA_LINKINFO, IFLA_NET_NS_FD = 3, 10, 18, 28
+IFLA_ADDRESS, IFLA_IFNAME, IFLA_MASTER, IFLA_PROTINFO, IFLA_LINKINFO = 1, 3, 10, 12, 18
+IFLA_NET_NS_FD = 28
+IFLA_BRPORT_ISOLATED = 33  # <linux/if_link.h>: the port talks to non-isolated ports only
+NLA_F_NESTED = 0x8000
+AF_BRIDGE = 7
 IFLA_INFO_KIND, IFLA_INFO_DATA, VETH_INFO_PEER = 1, 2, 1
 IFA_ADDRESS, IFA_LOCAL = 1, 2
 RTA_GATEWAY = 5
@@ -36,8 +41,13 @@ def _attr(kind: int, data: bytes) -> bytes:
     return struct.pack("=HH", length, kind) + data + b"\0" * ((4 - length % 4) % 4)
 
 
-def _ifinfo(index: int = 0, flags: int = 0, change: int = 0) -> bytes:
-    return _IFINFOMSG.pack(socket.AF_UNSPEC, 0, index, flags, change)
+def _ifinfo(index: int = 0, flags: int = 0, change: int = 0,
+            family: int = socket.AF_UNSPEC) -> bytes:
+    return _IFINFOMSG.pack(family, 0, index, flags, change)
+
+
+def mac_bytes(mac: str) -> bytes:
+    return bytes(int(part, 16) for part in mac.split(":"))
 
 
 class Netlink:
@@ -78,21 +88,35 @@ class Netlink:
                 offset += max((length + 3) & ~3, _NLMSGHDR.size)
 
     # -- links ------------------------------------------------------------------------
-    def add_veth(self, name: str, peer: str, peer_netns_fd: int, peer_index: int = 0) -> None:
-        """A veth pair: `name` here, `peer` (with ifindex `peer_index` if non-zero) in the
-        namespace of `peer_netns_fd`."""
+    def add_veth(self, name: str, peer: str, peer_netns_fd: int, peer_index: int = 0,
+                 peer_mac: str | None = None) -> None:
+        """A veth pair: `name` here, `peer` (with ifindex `peer_index` if non-zero, MAC
+        address `peer_mac` if given) in the namespace of `peer_netns_fd`."""
         peer_msg = (_ifinfo(peer_index) + _attr(IFLA_IFNAME, peer.encode() + b"\0")
                     + _attr(IFLA_NET_NS_FD, struct.pack("=I", peer_netns_fd)))
+        if peer_mac is not None:
+            peer_msg += _attr(IFLA_ADDRESS, mac_bytes(peer_mac))
         info = _attr(IFLA_INFO_KIND, b"veth\0") + _attr(
             IFLA_INFO_DATA, _attr(VETH_INFO_PEER, peer_msg))
         self.request(RTM_NEWLINK, _ifinfo() + _attr(IFLA_IFNAME, name.encode() + b"\0")
                      + _attr(IFLA_LINKINFO, info), NLM_F_CREATE | NLM_F_EXCL)
 
-    def set_link(self, index: int, up: bool | None = None, master: int | None = None) -> None:
+    def set_link(self, index: int, up: bool | None = None, master: int | None = None,
+                 mac: str | None = None) -> None:
         flags = IFF_UP if up else 0
         change = IFF_UP if up is not None else 0
         attrs = _attr(IFLA_MASTER, struct.pack("=I", master)) if master is not None else b""
+        if mac is not None:
+            attrs += _attr(IFLA_ADDRESS, mac_bytes(mac))
         self.request(RTM_NEWLINK, _ifinfo(index, flags, change) + attrs)
+
+    def isolate_bridge_port(self, index: int) -> None:
+        """Mark bridge port `index` isolated (`bridge link set dev X isolated on`): the bridge
+        forwards nothing between two isolated ports, floods included; the bridge device
+        itself (the host) still talks to it. The port must already have its master."""
+        protinfo = _attr(IFLA_BRPORT_ISOLATED, b"\1")
+        self.request(RTM_SETLINK, _ifinfo(index, family=AF_BRIDGE)
+                     + _attr(IFLA_PROTINFO | NLA_F_NESTED, protinfo))
 
     def delete_link(self, index: int) -> None:
         self.request(RTM_DELLINK, _ifinfo(index))

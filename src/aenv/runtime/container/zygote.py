@@ -22,7 +22,8 @@ all finish together at the end, in order the first ones are ready early.
 
 Protocol with the driver (control socket; one JSON object per line):
     driver -> zygote: {"op": "configure", "warm": N, "bundle": DIR, "staging": DIR,
-                       "cgroups": {...}, "max_setups": N | null}        first, once
+                       "cgroups": {...}, "max_setups": N | null,
+                       "seccomp": HEX | null}                           first, once
                       {"op": "spawn", "id": N, "spec": {...}}           (see ContainerDriver)
     zygote -> driver: {"event": "hello", "pid": P}                     after preload
                       {"id": N, "ok": true, "pid": HOSTPID, "start_time": TICKS, "t": {...}}
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import gc
 import importlib
 import json
@@ -59,8 +61,11 @@ from typing import Any
 from aenv.runtime.container import linux
 
 # Capabilities kept in the bounding set for everything a sandbox executes: Docker's default
-# set. Notably absent: SYS_ADMIN (mount, ...), NET_ADMIN, SYS_MODULE, SYS_PTRACE, SYS_RAWIO.
-KEEP_CAPS = {0, 1, 3, 4, 5, 6, 7, 8, 10, 13, 18, 27, 29, 31}
+# set less NET_RAW (raw and packet sockets forge frames; ping uses ICMP datagram sockets,
+# which `ping_group_range` allows; a binary with the file capability cap_net_raw+ep, such as
+# Debian's ping, fails to exec with EPERM). Notably absent too: SYS_ADMIN (mount, ...),
+# NET_ADMIN, SYS_MODULE, SYS_PTRACE, SYS_RAWIO.
+KEEP_CAPS = {0, 1, 3, 4, 5, 6, 7, 8, 10, 18, 27, 29, 31}
 
 _DEVICES = (  # name, major, minor (char devices in the sandbox's /dev, see populate_dev)
     ("null", 1, 3), ("zero", 1, 5), ("full", 1, 7), ("random", 1, 8), ("urandom", 1, 9),
@@ -213,6 +218,9 @@ def _prepare(cfg: dict[str, Any], name: str, own_netns: bool) -> dict[str, int]:
     fds["proc"] = linux.open_tree(os.path.join(scratch, "proc"), linux.OPEN_TREE_CLONE
                                   | linux.OPEN_TREE_CLOEXEC | linux.AT_RECURSIVE)
     linux.umount2(scratch, linux.MNT_DETACH)
+    if cfg.get("userns"):
+        fds["userns"] = _new_userns(int(cfg["userns"]["host_id"]), int(cfg["userns"]["size"]),
+                                    fds["proc"])
     return fds
 
 
@@ -271,9 +279,31 @@ def _mask_host_information() -> None:
                         | linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC)
 
 
+def _shm_mb(memory_mb: int) -> int:
+    """/dev/shm's size: half the sandbox's memory, as a tmpfs defaults to half of a machine's
+    RAM. Its pages are charged to the sandbox's memory cgroup and no OOM kill frees them: a
+    /dev/shm as large as the limit, once full, would leave nothing for envd."""
+    return max(memory_mb // 2, 1)
+
+
+def _protect_from_oom() -> None:
+    """envd is never its own sandbox's OOM victim: oom_score_adj -1000 (what it starts gets
+    +100 again, process.py). Lowering it needs CAP_SYS_RESOURCE of the host's user namespace,
+    which a host that is itself a container may not grant: then envd stays at 0, still behind
+    every command (+100), and a full /dev/shm leaves it room (`_shm_mb`)."""
+    try:
+        _write_to("/proc/self/oom_score_adj", "-1000")
+    except PermissionError:
+        pass
+
+
 def _new_netns() -> None:
     linux.unshare(linux.CLONE_NEWNET)
     linux.interface_up("lo")
+    # As in network slots (network.py sets them there) and Docker: ping without CAP_NET_RAW,
+    # ports below 1024 without CAP_NET_BIND_SERVICE.
+    _write_to("/proc/sys/net/ipv4/ping_group_range", "0 2147483647")
+    _write_to("/proc/sys/net/ipv4/ip_unprivileged_port_start", "0")
 
 
 def _place_workspace(stage: str, ws: str) -> None:
@@ -306,11 +336,13 @@ def _remove_tree(path: str) -> None:
         os.rmdir(path)
 
 
-def _write_etc(upper: str, spec: dict[str, Any]) -> None:
+def _write_etc(upper: str, spec: dict[str, Any], shift: int = 0) -> None:
     """/etc/hostname, /etc/hosts (and /etc/resolv.conf with internet access) written in the
     upper layer before mounting: no copy-up at run time. They shadow the template's files
-    whatever those are (a symlink into /run would dangle in a sandbox)."""
+    whatever those are (a symlink into /run would dangle in a sandbox). `shift`: the host
+    id of the sandbox's root in a user namespace (the upper holds shifted ids), else 0."""
     etc = os.path.join(upper, "etc")
+    shifted = set(spec.get("lower_shifted", ()))
     for layer in spec["lower"]:
         try:
             st = os.lstat(os.path.join(layer, "etc"))
@@ -319,9 +351,11 @@ def _write_etc(upper: str, spec: dict[str, Any]) -> None:
         if not stat.S_ISDIR(st.st_mode):
             _remove_tree(etc)  # a template with an unusual /etc: leave it alone
             return
-        # A merged directory takes its attributes from the upper layer: copy the template's.
+        # A merged directory takes its attributes from the upper layer: copy the template's
+        # (shifted like the idmapped mount of its layer shows it).
+        by = 0 if layer in shifted else shift
         os.makedirs(etc, exist_ok=True)
-        os.chown(etc, st.st_uid, st.st_gid)
+        os.chown(etc, st.st_uid + by, st.st_gid + by)
         os.chmod(etc, stat.S_IMODE(st.st_mode))
         break
     else:
@@ -338,6 +372,8 @@ def _write_etc(upper: str, spec: dict[str, Any]) -> None:
             continue
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
         try:
+            if shift:
+                os.fchown(fd, shift, shift)
             os.write(fd, content.encode())
         finally:
             os.close(fd)
@@ -355,6 +391,94 @@ def _bind_readonly(path: str) -> None:
     linux.mount(path, path, None,
                 linux.MS_BIND | linux.MS_REMOUNT | linux.MS_RDONLY | linux.MS_NOSUID
                 | linux.MS_NODEV | linux.MS_NOEXEC)
+
+
+def _idmap_layers(spec: dict[str, Any], userns_fd: int) -> list[str]:
+    """The lower layers for an overlay root in a user namespace: each layer holding host ids
+    (a template's, the driver's) gets an idmapped mount over its own path, in our private
+    mount namespace; layers holding shifted ids (`lower_shifted`) stay as they are. Attached
+    rather than given to overlayfs as fds: closing a detached tree costs an RCU grace
+    period (~5 ms each here), while these go with the host's root tree, detached anyway
+    after pivot_root."""
+    shifted = set(spec.get("lower_shifted", ()))
+    paths = []
+    for layer in spec["lower"]:
+        path = os.path.realpath(layer)  # move_mount does not follow a final symlink
+        if layer not in shifted:
+            try:
+                fd = linux.idmapped_tree(path, userns_fd)
+            except OSError as exc:  # e.g. an on-demand (FUSE) layer: no idmapped mounts
+                raise OSError(exc.errno, f"layer {layer} cannot be idmapped into the sandbox's "
+                              f"user namespace ({exc.strerror})") from None
+            try:
+                linux.move_mount_fd(fd, path)
+            finally:
+                os.close(fd)  # attached: closing it unmounts nothing
+        paths.append(path)
+    return paths
+
+
+def _unprivileged_net_sysctls() -> None:
+    """Our network namespace belongs to the host's user namespace, so the sandbox's root
+    (root of a child user namespace only) has no CAP_NET_BIND_SERVICE or CAP_NET_RAW in it:
+    let every uid bind ports below 1024 and open ICMP echo sockets (ping), as root in a
+    container expects. Written through the host's /proc (the sandbox's /proc/sys is
+    read-only), which shows the calling task's network namespace."""
+    _write_to("/proc/sys/net/ipv4/ip_unprivileged_port_start", "0")
+    _write_to("/proc/sys/net/ipv4/ping_group_range", "0 2147483647")
+
+
+def _new_userns(host_id: int, size: int, proc_fd: int) -> int:
+    """An fd of a new user namespace, this sandbox's own, mapping ids 0..size-1 to
+    host_id.. . Made ahead of time (warm children): `unshare --user cat` (posix_spawn:
+    vfork+exec, so none of our pages become copy-on-write) makes it, and we, privileged in
+    the parent namespace (only such a process may write a map of more than its own id),
+    write its maps. `proc_fd`: our pid namespace's /proc (our _build_proc tree), in which
+    that child's pid means it. Its layers' idmapped mounts use the namespace too."""
+    to_cat, cat_in = os.pipe()
+    cat_out, from_cat = os.pipe()
+    try:
+        pid = os.posix_spawnp("unshare", ["unshare", "--user", "--", "cat"],
+                              {"PATH": "/usr/bin:/bin"},
+                              file_actions=[(os.POSIX_SPAWN_DUP2, to_cat, 0),
+                                            (os.POSIX_SPAWN_DUP2, from_cat, 1)])
+    except BaseException:
+        for fd in (to_cat, cat_in, cat_out, from_cat):
+            os.close(fd)
+        raise
+    os.close(to_cat)
+    os.close(from_cat)
+    try:
+        os.write(cat_in, b"u")
+        if os.read(cat_out, 1) != b"u":  # cat answers: the namespace exists
+            raise OSError(errno.ECHILD, "unshare --user failed")
+        for name in ("uid_map", "gid_map"):
+            fd = os.open(f"{pid}/{name}", os.O_WRONLY, dir_fd=proc_fd)
+            try:
+                os.write(fd, f"0 {host_id} {size}\n".encode())
+            finally:
+                os.close(fd)
+        return os.open(f"{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC, dir_fd=proc_fd)
+    finally:
+        os.close(cat_in)  # EOF: cat exits
+        os.close(cat_out)
+        os.waitpid(pid, 0)
+
+
+def _enter_userns(userns_fd: int) -> None:
+    """Become root of this sandbox's user namespace (made by _new_userns), as the very last
+    privileged step (everything above needed the host's root: cgroups, the network slot,
+    mounts). Entering resets the capability bounding set to full: dropped again here. Every
+    namespace made before stays owned by the host's user namespace, so the sandbox's root
+    has no capability over its own mounts, network or hostname (as if it had not unshared
+    them), nor over anything of the host."""
+    linux.setns(userns_fd, linux.CLONE_NEWUSER)
+    os.close(userns_fd)
+    os.setgroups([])
+    os.setresgid(0, 0, 0)
+    os.setresuid(0, 0, 0)
+    # Changing ids left envd non-dumpable; kept so: only the host's root may ptrace it.
+    linux.drop_bounding_caps(KEEP_CAPS)
 
 
 class StaleMounts(Exception):
@@ -402,15 +526,24 @@ def _become_sandbox(cfg: dict[str, Any], name: str, spec: dict[str, Any], chan: 
             os.close(fd)
     elif not own_netns:
         _new_netns()
+    userns = cfg.get("userns")
+    root_id = int(userns["host_id"]) if userns else 0  # the sandbox root's host uid/gid
+    if userns:
+        _unprivileged_net_sysctls()
     laps("netns")
     ws = spec["workspace"]
     _place_workspace(os.path.join(cfg["staging"], name), ws)
     upper, work = os.path.join(ws, "upper"), os.path.join(ws, "work")
-    _write_etc(upper, spec)
+    _write_etc(upper, spec, root_id)
     # Mounted over the workspace directory itself: any directory of our private mount
     # namespace will do as the future root, and this one costs no extra inode.
-    lower = ":".join(spec["lower"])
-    linux.mount_overlay(ws, lower, upper, work)
+    if userns:
+        # The upper holds shifted ids on disk and is not idmapped; its root directory is the
+        # sandbox's "/" (and marks a sealed copy of it as holding shifted ids).
+        os.chown(upper, root_id, root_id)
+        linux.mount_overlay(ws, ":".join(_idmap_layers(spec, trees["userns"])), upper, work)
+    else:
+        linux.mount_overlay(ws, ":".join(spec["lower"]), upper, work)
     laps("overlay")
     os.chdir(ws)
     linux.pivot_root(".", ".")
@@ -422,11 +555,13 @@ def _become_sandbox(cfg: dict[str, Any], name: str, spec: dict[str, Any], chan: 
         linux.move_mount_fd(trees[key], path)
         os.close(trees[key])
     # /dev is the driver layer's directory; only its pseudo-filesystems are mounted. The
-    # /dev/shm tmpfs's pages count in the memory cgroup: sized like the sandbox's memory.
+    # /dev/shm tmpfs's pages count in the memory cgroup: half its size (_shm_mb).
+    # Ids in mount options are read in our (the host's) user namespace: shifted by hand.
     linux.mount("devpts", "/dev/pts", "devpts", linux.MS_NOSUID | linux.MS_NOEXEC,
-                "newinstance,ptmxmode=0666,mode=0620,gid=5")
+                f"newinstance,ptmxmode=0666,mode=0620,gid={root_id + 5}")
     linux.mount("shm", "/dev/shm", "tmpfs", linux.MS_NOSUID | linux.MS_NODEV,
-                f"mode=1777,size={int(spec['memory_mb'])}m")
+                f"mode=1777,size={_shm_mb(int(spec['memory_mb']))}m"
+                + (f",uid={root_id},gid={root_id}" if userns else ""))
     # sysfs shows the network namespace of whoever mounts it: only now is ours final.
     _mkdirs("/sys", 0o555)
     linux.mount("sysfs", "/sys", "sysfs",
@@ -436,6 +571,8 @@ def _become_sandbox(cfg: dict[str, Any], name: str, spec: dict[str, Any], chan: 
     # anyone ran in this root yet, so these paths are ours.
     null = os.open("/dev/null", os.O_RDWR)
     log = os.open(ENVD_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    if userns:
+        os.fchown(log, root_id, root_id)  # the sandbox's root may read its envd's log
     for fd, targets in ((null, (0,)), (log, (1, 2))):
         for target in targets:
             os.dup2(fd, target)
@@ -450,7 +587,7 @@ def _become_sandbox(cfg: dict[str, Any], name: str, spec: dict[str, Any], chan: 
     listen.bind((spec["envd"]["host"], int(spec["envd"]["port"])))
     listen.listen(4096)
     # Every other fd goes: CRIU refuses to dump fds it cannot account for.
-    linux.close_fds_except({chan, listen.fileno()})
+    linux.close_fds_except({chan, listen.fileno(), *([trees["userns"]] if userns else [])})
     laps("listen")
     return listen
 
@@ -483,9 +620,18 @@ def _child(cfg: dict[str, Any], envd: Envd, name: str, chan: int,
             laps = _Laps()  # time the request, not the idle wait
         spec = json.loads(spec_line)
         listen = _become_sandbox(cfg, name, spec, chan, trees, own_netns, laps)
+        _protect_from_oom()  # before the user namespace and seccomp: it needs the host's root
+        if cfg.get("userns"):
+            _enter_userns(trees["userns"])
+            laps("userns")
         os.environ.clear()
         os.environ.update({"PATH": SANDBOX_PATH, "HOME": "/root"})
         settings = envd.settings(**spec["envd"])
+        if cfg["seccomp"] is not None:
+            # Last: every setup syscall above is one the filter refuses (mount, setns, ...).
+            # Inherited by envd and all it runs; CRIU dumps and restores it with the process.
+            cfg["seccomp"].load()
+            laps("seccomp")
         # The kernel queues connections on a listening socket, so envd is reachable now,
         # even though its event loop starts a few milliseconds later.
         _send_line(chan, {"ready": True, "t0": laps.marks[0][1], "laps": laps.report()})
@@ -704,7 +850,10 @@ class Zygote:
             req = json.loads(line)
             op = req.get("op")
             if op == "configure":
-                self.cfg = {**req, "zygote_pid": os.getpid()}
+                self.cfg = {**req, "zygote_pid": os.getpid(),
+                            # the BPF program every sandbox loads (seccomp.py on the host)
+                            "seccomp": linux.SeccompProgram(bytes.fromhex(req["seccomp"]))
+                            if req.get("seccomp") else None}
                 self.warm_target = int(req.get("warm", 0))
                 self.max_setups = int(req.get("max_setups") or self.max_setups)
             elif op == "spawn":

@@ -243,6 +243,12 @@ class FirecrackerDriver:
         self.last_timings = {"disk": t_disk, "total": time.monotonic() - t0}
         return handle
 
+    def exit_reason(self, handle: RuntimeHandle) -> str | None:
+        """`LivenessDriver`: whether the VM's Firecracker process runs."""
+        if self._alive(handle.data):
+            return None
+        return "the sandbox's virtual machine (its Firecracker process) exited or was killed"
+
     async def attach(self, handle: RuntimeHandle) -> bool:
         if not self._alive(handle.data):
             return False

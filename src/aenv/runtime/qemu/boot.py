@@ -111,6 +111,13 @@ class VmConfig:
     extra: list[str] = field(default_factory=list)
 
 
+# QEMU's own seccomp filter (`-sandbox`): a denylist (mount, reboot, kexec, swap, syslog,
+# module and obsolete syscalls; with resourcecontrol=deny scheduler and priority changes).
+# Not elevateprivileges=deny: it refuses setsid, which -daemonize needs; not spawn=deny: the
+# daemonizing fork and the `exec:cat` migration streams of pause and snapshot need fork+exec.
+SANDBOX = "on,obsolete=deny,resourcecontrol=deny"
+
+
 def qemu_argv(cfg: VmConfig, probe: bool = False) -> list[str]:
     a = cfg.artefacts
     argv = [qemu_binary(), "-M", "microvm,rtc=on,x-option-roms=off",
@@ -153,6 +160,7 @@ def qemu_argv(cfg: VmConfig, probe: bool = False) -> list[str]:
                      "-device", f"virtio-net-device,netdev=net0,mac={GUEST_MAC}"]
     argv += ["-qmp", f"unix:{cfg.paths.qmp},server=on,wait=off",
              "-pidfile", str(cfg.paths.pidfile), "-daemonize"]
+    argv += ["-sandbox", SANDBOX]
     if cfg.incoming is not None:
         # QEMU 7.2 has no file: migration URI; exec:cat streams it. The path is ours
         # (workspace or snapshot directory), quoted for the shell QEMU runs.

@@ -447,6 +447,12 @@ class QemuDriver:
             raise AenvError(ErrorCode.UNAVAILABLE, f"sandbox {handle.sandbox_id} is not running")
         return live
 
+    def exit_reason(self, handle: RuntimeHandle) -> str | None:
+        """`LivenessDriver`: whether the VM's QEMU process runs (pid and start time)."""
+        if self._live_of(handle).alive():
+            return None
+        return "the sandbox's virtual machine (its QEMU process) exited or was killed"
+
     async def attach(self, handle: RuntimeHandle) -> bool:
         try:
             live = self._live_of(handle)

@@ -6,7 +6,9 @@ guest's address never changes, a VM restored from a snapshot or resumed needs no
 reconfiguration: it gets a *new namespace* with the same inside addresses.
 - internet access: the namespace is a slot of the container runtime's `NetworkPool` (veth
   into the host bridge `aenv0`, its own 10.88.x.y); nftables in the namespace masquerades the
-  guest behind that address, and the host's rules (NAT out, no slot-to-slot traffic) apply.
+  guest behind that address, and the host's rules (NAT out, no slot-to-slot traffic, no host
+  address, frames bound to the slot's own MAC and address) apply: the guest's root has raw
+  sockets in its own kernel, but whatever it forges leaves through the slot's bridge port.
 - no internet access: a bare namespace (/run/aenv/vmnet/<id>) with only the tap: the guest
   reaches nothing but its own side of it.
 The host reaches the guest (`connect`) by creating a socket inside that namespace.

@@ -60,7 +60,8 @@ class LocalCache:
         self._pins: dict[str, int] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._stats = CacheStats(max_bytes=max_bytes)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.root.chmod(0o700)  # materialised checkpoint images: process memory, tokens
         self._load()
 
     def _load(self) -> None:

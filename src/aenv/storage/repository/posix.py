@@ -35,8 +35,12 @@ class PosixBlobStore(BlobStoreBase):
         self._blobs = self.root / "blobs"
         self._meta = self.root / "meta"
         self._tmp = self.root / "tmp"
+        # Blobs are checkpoint images (process memory, envd tokens) and writable layers:
+        # the servers' alone (they run as root), on a local or a shared filesystem.
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.root.chmod(0o700)
         for d in (self._blobs, self._meta, self._tmp):
-            d.mkdir(parents=True, exist_ok=True)
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
 
     @property
     def description(self) -> str:
@@ -47,7 +51,7 @@ class PosixBlobStore(BlobStoreBase):
 
     def _atomic_write(self, final: Path, data: bytes) -> None:
         tmp = self._tmp / f"{final.name}.{secrets.token_hex(6)}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
