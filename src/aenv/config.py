@@ -33,6 +33,10 @@ class ServerConfig:
     home: Path = field(default_factory=default_home)
     api_key: str | None = None  # None: read or generate $home/secrets/api_key
     domain: str | None = None  # host-based routing: <port>-<id>.<domain>
+    # Control-plane JSON bodies (not the sandbox proxy's `/files` uploads nor template file
+    # archives, which stream): larger ones get 413 before being read into memory.
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_json_depth: int = 32  # nesting of arrays/objects in a JSON body
 
 
 @dataclass

@@ -15,6 +15,7 @@ class ErrorCode(StrEnum):
     NOT_FOUND = "not_found"
     CONFLICT = "conflict"
     RESOURCE_EXHAUSTED = "resource_exhausted"
+    PAYLOAD_TOO_LARGE = "payload_too_large"  # a request body over the server's limit
     NOT_SUPPORTED = "not_supported"
     UNAVAILABLE = "unavailable"
     PORT_CLOSED = "port_closed"  # the sandbox runs, but nothing listens on that port

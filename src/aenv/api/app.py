@@ -16,13 +16,17 @@ from dataclasses import dataclass
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from aenv.api.errors import error_response, from_aenv_error
+import aenv
+from aenv.api.bodies import InputLimits
+from aenv.api.errors import CrashAnswer, error_response, from_aenv_error
 from aenv.api.images import ImageRoutes
+from aenv.api.openapi import openapi_document
 from aenv.api.proxy import SandboxProxy, route_by_headers, route_by_signature
 from aenv.api.routes import SandboxRoutes
 from aenv.api.templates import TemplateRoutes
@@ -45,7 +49,7 @@ from aenv.storage.volume import attach_storage
 
 log = logging.getLogger("aenv.api")
 
-UNAUTHENTICATED_PATHS = frozenset({"/health", "/metrics"})
+UNAUTHENTICATED_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
 
 
 class ApiKeyAuth:
@@ -175,13 +179,19 @@ def build_server(config: Config, show_progress: bool = True) -> Server:
             await puller.close()
             store.close()
 
+    async def openapi(_: Request) -> Response:
+        return JSONResponse(openapi_document(control.routes, aenv.__version__))
+
     control = Starlette(
-        routes=[Route("/health", health, methods=["GET"]), *routes.routes(), *images.routes(),
-                *templates.routes()],
+        routes=[Route("/health", health, methods=["GET"]),
+                Route("/openapi.json", openapi, methods=["GET"]), *routes.routes(),
+                *images.routes(), *templates.routes()],
+        middleware=[Middleware(CrashAnswer)],
         exception_handlers={AenvError: on_aenv_error, HTTPException: on_http_error,
                             Exception: on_crash},
         lifespan=lifespan,
     )
+    control.state.input_limits = InputLimits.from_config(config.server)
     app = EdgeRouter(ApiKeyAuth(control, api_key), proxy, config.server.domain,
                      TunnelRegistry(manager))
     return Server(app=app, manager=manager, api_key=api_key)

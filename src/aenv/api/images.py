@@ -20,8 +20,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from aenv.api.bodies import accepts, parse_body
 from aenv.api.errors import STATUS_BY_CODE
-from aenv.api.routes import parse_body
 from aenv.envd.settings import ENVD_VERSION
 from aenv.errors import AenvError, ErrorCode
 from aenv.images.pull import ImagePuller
@@ -102,6 +102,7 @@ class ImageRoutes:
     async def list_templates(self, _: Request) -> Response:
         return JSONResponse([template_body(t) for t in self.store.iter_templates()])
 
+    @accepts(PullBody)
     async def pull(self, request: Request) -> Response:
         body = await parse_body(request, PullBody)
         # Bad references and name conflicts answer with a status, before the stream starts.

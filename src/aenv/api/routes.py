@@ -6,16 +6,15 @@ Each handler parses and validates, calls the `SandboxManager`, and shapes the an
 
 from __future__ import annotations
 
-import json
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any
 from urllib.parse import parse_qsl, unquote
 
-from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from aenv.api.bodies import QueryParam, accepts, parse_body
 from aenv.api.errors import STATUS_BY_CODE
 from aenv.api.schemas import (
     ConnectSandbox,
@@ -35,26 +34,21 @@ from aenv.errors import AenvError, invalid, not_found
 from aenv.orchestrator.manager import RUNTIME_METADATA_KEY, SandboxManager
 from aenv.orchestrator.models import CreateRequest, ListQuery
 
-M = TypeVar("M", bound=BaseModel)
+
+def query_int(raw: str, what: str, low: int, high: int) -> int:
+    """A query parameter that must be a plain decimal integer within [low, high]."""
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 12 and low <= int(raw) <= high):
+        raise invalid(f"{what} must be an integer between {low} and {high}")
+    return int(raw)
 
 
-async def parse_body(request: Request, model: type[M], allow_empty: bool = False) -> M:
-    raw = await request.body()
-    if not raw.strip():
-        if allow_empty:
-            return model.model_validate({})
-        raise invalid("request body is required (JSON)")
-    try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise invalid(f"malformed JSON body: {exc}") from None
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in exc.errors()
-        )
-        raise invalid(f"invalid request body: {problems}") from None
+LIST_QUERY = (
+    QueryParam("state", description="comma-separated: running, paused"),
+    QueryParam("metadata", description="urlencoded key=value pairs the sandbox must have"),
+    QueryParam("template"), QueryParam("startedAfter", description="RFC 3339 timestamp"),
+    QueryParam("order", description="asc or desc"), QueryParam("limit", "integer"),
+    QueryParam("nextToken"),
+)
 
 
 class SandboxRoutes:
@@ -87,6 +81,7 @@ class SandboxRoutes:
             Route("/snapshots/{snapshot_id}", self.get_snapshot, methods=["GET"]),
         ]
 
+    @accepts(NewSandbox)
     async def create(self, request: Request) -> Response:
         body = await parse_body(request, NewSandbox)
         defaults = self.config.sandbox
@@ -126,21 +121,21 @@ class SandboxRoutes:
         order = q.get("order", "desc")
         if order not in ("asc", "desc"):
             raise invalid("order must be asc or desc")
-        limit_raw = q.get("limit", "100")
-        if not limit_raw.isdigit():
-            raise invalid("limit must be a positive integer")
+        limit = query_int(q.get("limit", "100"), "limit", 0, 10**9)
         return ListQuery(states=states, metadata=metadata, template=q.get("template"),
                          started_after=started_after, order_desc=order == "desc",
-                         limit=int(limit_raw), next_token=q.get("nextToken") or None)
+                         limit=limit, next_token=q.get("nextToken") or None)
 
     async def _list(self, request: Request, default_states: set[str] | None) -> Response:
         items, token = self.manager.list_sandboxes(self._list_query(request, default_states))
         headers = {"X-Next-Token": token} if token else {}
         return JSONResponse([listed_body(r) for r in items], headers=headers)
 
+    @accepts(query=LIST_QUERY)
     async def list_v1(self, request: Request) -> Response:
         return await self._list(request, {"running"})
 
+    @accepts(query=LIST_QUERY)
     async def list_v2(self, request: Request) -> Response:
         return await self._list(request, None)
 
@@ -152,23 +147,27 @@ class SandboxRoutes:
         await self.manager.kill(request.path_params["sandbox_id"])
         return Response(status_code=204)
 
+    @accepts(TimeoutBody)
     async def set_timeout(self, request: Request) -> Response:
         body = await parse_body(request, TimeoutBody)
         await self.manager.set_timeout(request.path_params["sandbox_id"], body.timeout)
         return Response(status_code=204)
 
+    @accepts(ConnectSandbox, body_required=False)
     async def refresh(self, request: Request) -> Response:
         raw = await parse_body(request, ConnectSandbox, allow_empty=True)
         await self.manager.connect(request.path_params["sandbox_id"],
                                    raw.timeout or self.config.sandbox.timeout_s)
         return Response(status_code=204)
 
+    @accepts(ConnectSandbox, body_required=False)
     async def connect(self, request: Request) -> Response:
         body = await parse_body(request, ConnectSandbox, allow_empty=True)
         timeout = self.config.sandbox.timeout_s if body.timeout is None else body.timeout
         rec, resumed = await self.manager.connect(request.path_params["sandbox_id"], timeout)
         return JSONResponse(sandbox_body(rec, self.domain), status_code=201 if resumed else 200)
 
+    @accepts(PauseBody, body_required=False)
     async def pause(self, request: Request) -> Response:
         await parse_body(request, PauseBody, allow_empty=True)
         await self.manager.pause(request.path_params["sandbox_id"])
@@ -181,19 +180,21 @@ class SandboxRoutes:
         body: list[dict[str, Any]] = [metric_body(at, rec.cpu_count, usage)]
         return JSONResponse(body)
 
+    @accepts(SnapshotBody, body_required=False)
     async def create_snapshot(self, request: Request) -> Response:
         body = await parse_body(request, SnapshotBody, allow_empty=True)
         tpl = await self.manager.snapshot(request.path_params["sandbox_id"], body.name)
         return JSONResponse(snapshot_body(tpl), status_code=201)
 
+    @accepts(query=(QueryParam("sandboxID"), QueryParam("name"), QueryParam("limit", "integer"),
+                     QueryParam("nextToken")))
     async def list_snapshots(self, request: Request) -> Response:
         q = request.query_params
-        limit_raw, offset_raw = q.get("limit", "100"), q.get("nextToken", "0")
-        if not limit_raw.isdigit() or not 1 <= int(limit_raw) <= 1000:
-            raise invalid("limit must be an integer between 1 and 1000")
-        if not offset_raw.isdigit():
+        limit = query_int(q.get("limit", "100"), "limit", 1, 1000)
+        offset_raw = q.get("nextToken", "0")
+        if not (offset_raw.isascii() and offset_raw.isdigit() and len(offset_raw) <= 12):
             raise invalid("nextToken is not a token this server issued")
-        limit, offset = int(limit_raw), int(offset_raw)
+        offset = int(offset_raw)
         items = self.manager.list_snapshots(q.get("sandboxID"), q.get("name"))
         page = items[offset:offset + limit]
         more = offset + limit < len(items)
@@ -206,6 +207,7 @@ class SandboxRoutes:
             raise not_found(f"snapshot '{tpl.template_id}' not found")
         return JSONResponse(snapshot_body(tpl))
 
+    @accepts(ForkBody, body_required=False)
     async def fork(self, request: Request) -> Response:
         body = await parse_body(request, ForkBody, allow_empty=True)
         results = await self.manager.fork(request.path_params["sandbox_id"], body.count,

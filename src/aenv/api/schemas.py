@@ -7,13 +7,29 @@ Response shapes follow the e2b 2.63 SDK's generated models (`e2b/api/client/mode
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from aenv.envd.settings import ENVD_VERSION
 from aenv.orchestrator.models import SandboxRecord, TemplateRecord
 from aenv.runtime.base import ResourceUsage
+
+# Bounds on what a sandbox record stores and every list answer repeats: metadata is labels, env
+# vars may hold keys or certificates. Integers are int32, as in E2B's OpenAPI (`format: int32`).
+MAX_METADATA_KEYS = 64
+MAX_METADATA_KEY_CHARS = 256
+MAX_METADATA_VALUE_CHARS = 1024
+MAX_ENV_VARS = 256
+MAX_ENV_KEY_CHARS = 256
+MAX_ENV_VALUE_CHARS = 32 * 1024
+INT32_MAX = 2**31 - 1
+
+Int32 = Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)]
+Metadata = dict[Annotated[str, StringConstraints(max_length=MAX_METADATA_KEY_CHARS)],
+                Annotated[str, StringConstraints(max_length=MAX_METADATA_VALUE_CHARS)]]
+EnvVars = dict[Annotated[str, StringConstraints(min_length=1, max_length=MAX_ENV_KEY_CHARS)],
+               Annotated[str, StringConstraints(max_length=MAX_ENV_VALUE_CHARS)]]
 
 
 class _Body(BaseModel):
@@ -26,9 +42,9 @@ class AutoResume(_Body):
 
 class NewSandbox(_Body):
     template_id: str = Field(alias="templateID", min_length=1, max_length=256)
-    timeout: int | None = None
-    metadata: dict[str, str] | None = None
-    env_vars: dict[str, str] | None = Field(default=None, alias="envVars")
+    timeout: Int32 | None = None
+    metadata: Metadata | None = Field(default=None, max_length=MAX_METADATA_KEYS)
+    env_vars: EnvVars | None = Field(default=None, alias="envVars", max_length=MAX_ENV_VARS)
     auto_pause: bool | None = Field(default=None, alias="autoPause")
     auto_resume: AutoResume | None = Field(default=None, alias="autoResume")
     allow_internet_access: bool | None = None
@@ -38,16 +54,16 @@ class NewSandbox(_Body):
     # metadata key `aenv.runtime` says the same for clients that cannot add fields (the SDK).
     runtime: str | None = Field(default=None, min_length=1, max_length=64)
     # aenv's own (`aenv start --cpu --memory`): this sandbox's limits instead of the template's.
-    cpu_count: int | None = Field(default=None, alias="cpuCount")
-    memory_mb: int | None = Field(default=None, alias="memoryMB")
+    cpu_count: Int32 | None = Field(default=None, alias="cpuCount")
+    memory_mb: Int32 | None = Field(default=None, alias="memoryMB")
 
 
 class ConnectSandbox(_Body):
-    timeout: int | None = None
+    timeout: Int32 | None = None
 
 
 class TimeoutBody(_Body):
-    timeout: int
+    timeout: Int32
 
 
 class PauseBody(_Body):
@@ -60,8 +76,8 @@ class SnapshotBody(_Body):
 
 
 class ForkBody(_Body):
-    count: int = 1
-    timeout: int | None = None
+    count: Int32 = 1
+    timeout: Int32 | None = None
 
 
 def snapshot_body(tpl: TemplateRecord) -> dict[str, Any]:

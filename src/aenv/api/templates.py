@@ -19,8 +19,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from aenv.api.bodies import QueryParam, accepts, parse_body
 from aenv.api.images import template_body
-from aenv.api.routes import parse_body
 from aenv.builds.builder import (
     Build,
     BuildSpec,
@@ -44,8 +44,8 @@ class BuildRequest(_Body):
     name: str | None = Field(default=None, min_length=1, max_length=256)
     alias: str | None = Field(default=None, min_length=1, max_length=256)
     tags: list[str] | None = None
-    cpu_count: int | None = Field(default=None, alias="cpuCount")
-    memory_mb: int | None = Field(default=None, alias="memoryMB")
+    cpu_count: int | None = Field(default=None, alias="cpuCount", ge=1, le=2**31 - 1)
+    memory_mb: int | None = Field(default=None, alias="memoryMB", ge=1, le=2**31 - 1)
 
 
 class StepBody(_Body):
@@ -121,6 +121,7 @@ class TemplateRoutes:
             Route("/templates/{template_id}", self.delete_template, methods=["DELETE"]),
         ]
 
+    @accepts(BuildRequest)
     async def request_build(self, request: Request) -> Response:
         body = await parse_body(request, BuildRequest)
         name = body.name or body.alias
@@ -151,6 +152,7 @@ class TemplateRoutes:
                                         request.path_params["files_hash"], request.stream())
         return Response(status_code=204)
 
+    @accepts(BuildStart, body_required=False)
     async def start_build(self, request: Request) -> Response:
         body = await parse_body(request, BuildStart, allow_empty=True)
         spec = BuildSpec(
@@ -163,6 +165,8 @@ class TemplateRoutes:
                           spec)
         return Response(status_code=202)
 
+    @accepts(query=(QueryParam("logsOffset", "integer"), QueryParam("limit", "integer"),
+                     QueryParam("level")))
     async def status(self, request: Request) -> Response:
         build = self.builds.build(request.path_params["template_id"],
                                   request.path_params["build_id"])
@@ -176,6 +180,8 @@ class TemplateRoutes:
             body["reason"] = build.reason
         return JSONResponse(body)
 
+    @accepts(query=(QueryParam("cursor", "integer"), QueryParam("limit", "integer"),
+                     QueryParam("direction"), QueryParam("level")))
     async def logs(self, request: Request) -> Response:
         build = self.builds.build(request.path_params["template_id"],
                                   request.path_params["build_id"])
