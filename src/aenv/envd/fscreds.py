@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -44,18 +45,14 @@ _SYSCALLS = {"x86_64": (116, 122, 123), "aarch64": (159, 151, 152)}
 _INVALID_ID = 0xFFFFFFFF  # (uid_t)-1: setfs[ug]id() then changes nothing and returns the current id
 STEP_YIELD_EVERY = 256  # entries a walk handles between two turns of the event loop
 
-_libc: Any = None
-
-
+@functools.cache
 def _lib() -> Any:
     """libc through ctypes, loaded on first use (an envd serving only root never needs it)."""
-    global _libc
-    if _libc is None:
-        import ctypes
+    import ctypes
 
-        _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.syscall.restype = ctypes.c_long
-    return _libc
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    return libc
 
 
 def preload() -> None:
