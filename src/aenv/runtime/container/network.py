@@ -469,6 +469,13 @@ add rule ip aenv output oifname "{br}" icmp type redirect drop
     async def release(self, name: str) -> None:
         """Delete the slot of a destroyed sandbox (its processes must be gone). Slots are
         never reused: a fresh namespace carries no state of a previous sandbox."""
-        slot = self._used.pop(name, None) or self.slot_by_name(name)
+        slot = self._used.pop(name, None)
+        if slot is None:
+            slot = self.slot_by_name(name)
+            if slot.owner == os.getpid():
+                # Released before (a second destroy of the same handle): its index may be a
+                # newer slot's now, under the very same name. Only a slot a previous server
+                # made (another owner pid, never reissued by us) is deleted by name.
+                return
         await asyncio.to_thread(self._delete_slot, slot)
         self._kick()
