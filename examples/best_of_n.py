@@ -48,7 +48,10 @@ def fraction_passed(outcome: Outcome) -> float:
 
 async def main() -> None:
     t = time.perf_counter()
-    snapshot = await setup("base", ["cd /home/user/repo && python3 -m compileall -q ."], files=REPO)
+    # checked-hash: a candidate patch of the same size as the file, written within the same
+    # second as the .pyc, would otherwise run the stale bytecode (Python checks mtime + size).
+    compile_all = "cd /home/user/repo && python3 -m compileall -q --invalidation-mode checked-hash ."
+    snapshot = await setup("base", [compile_all], files=REPO)
     print(f"setup + snapshot {snapshot.snapshot_id}: {time.perf_counter() - t:.2f} s")
     reward = Reward(TESTS, score=fraction_passed)
     try:

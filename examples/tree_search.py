@@ -33,7 +33,9 @@ EDITS = [  # each edit touches one function only (a sed range from its `def` to 
     "sed -i '/def add/,/return/ s/a - b/b - a/' ops.py",
     "sed -i '/def neg/,/return/ s/return a/return a * 2/' ops.py",
 ]
-TESTS = "cd /home/user/repo && python3 -m unittest -q test_ops"
+# -B: no bytecode cache. An edit that keeps the file's size (a - b -> a + b) made within the
+# same second as a cached .pyc would otherwise be ignored: Python checks mtime and size only.
+TESTS = "cd /home/user/repo && python3 -B -m unittest -q test_ops"
 
 
 async def main() -> None:

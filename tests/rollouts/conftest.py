@@ -24,6 +24,9 @@ from aenv.rollouts import Snapshot, setup
 
 # A tiny Python project with a failing test, and a process that keeps counting in the
 # background: what every fork of the setup must inherit.
+# checked-hash bytecode: a candidate patch of a file's exact size, written within the second
+# the .pyc was made, would otherwise run stale bytecode (a .pyc is checked by mtime and size).
+COMPILE_ALL = "cd /home/user/proj && python3 -m compileall -q --invalidation-mode checked-hash ."
 PROJECT = {
     "/home/user/proj/calc.py": "def add(a, b):\n    return a - b\n",
     "/home/user/proj/test_calc.py": (
@@ -39,7 +42,7 @@ TESTS = "cd /home/user/proj && python3 -m unittest -q test_calc"
 
 @pytest.fixture(scope="module")
 async def project() -> AsyncIterator[Snapshot]:
-    snapshot = await setup("base", ["cd /home/user/proj && python3 -m compileall -q ."],
+    snapshot = await setup("base", [COMPILE_ALL],
                            files=PROJECT, background=[COUNTER])
     yield snapshot
     await snapshot.delete()

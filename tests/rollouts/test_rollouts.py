@@ -8,7 +8,7 @@ import asyncio
 import re
 
 import pytest
-from conftest import COUNTER, PROJECT, TESTS
+from conftest import COMPILE_ALL, COUNTER, PROJECT, TESTS
 from e2b import AsyncSandbox, SandboxQuery
 
 from aenv.rollouts import (
@@ -208,7 +208,7 @@ async def test_a_failing_setup_command_raises_and_leaves_nothing(run_id: str) ->
 
 async def test_a_pool_of_a_setup_forks_the_set_up_sandbox_without_a_snapshot(run_id: str) -> None:
     snapshots_before = {x.snapshot_id for x in await AsyncSandbox.list_snapshots().next_items()}
-    plan = Setup("base", ["cd /home/user/proj && python3 -m compileall -q ."], files=PROJECT,
+    plan = Setup("base", [COMPILE_ALL], files=PROJECT,
                  background=[COUNTER])
     async with RolloutPool(plan, group_size=3, ready_groups=0) as pool:
         async with pool.group() as group:
