@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 from aenv.errors import AenvError, ErrorCode
@@ -50,8 +51,14 @@ def build_base_layer(layers_dir: Path, cache_dir: Path, show_progress: bool = Tr
     layers_dir.mkdir(parents=True, exist_ok=True)
     debs = cache_dir / "debs"
     debs.mkdir(parents=True, exist_ok=True)
-    tmp = layers_dir / f".build-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    # debootstrap opens the target's own /dev/null inside its chroot, which a `nodev` mount
+    # refuses, and sandbox storage (layers/ included) is mounted nosuid,nodev
+    # (docs/security.md): the layer is built in a private directory on the host's /var/tmp
+    # and copied into layers/ once, then renamed into place.
+    build_root = Path(tempfile.mkdtemp(prefix=f"aenv-{final.name}-", dir="/var/tmp"))
+    tmp = build_root / "root"
+    staged = layers_dir / f".build-{final.name}-{os.getpid()}"
+    shutil.rmtree(staged, ignore_errors=True)
     bar = ProgressBar("building template base", total=1.0) if show_progress else None
     cmd = ["debootstrap", "--variant=minbase", f"--include={','.join(PACKAGES)}",
            f"--cache-dir={debs}", SUITE, str(tmp), MIRROR]
@@ -73,15 +80,21 @@ def build_base_layer(layers_dir: Path, cache_dir: Path, show_progress: bool = Tr
             tail = "".join(log[-15:])
             raise AenvError(ErrorCode.INTERNAL, f"debootstrap failed (exit {proc.returncode}):\n{tail}")
         _customise(tmp)
+        copied = subprocess.run(["cp", "-a", "--reflink=auto", str(tmp), str(staged)],
+                                capture_output=True, text=True, check=False)
+        if copied.returncode != 0:
+            raise AenvError(ErrorCode.INTERNAL,
+                            f"copying the base layer into {layers_dir}: {copied.stderr.strip()}")
         try:
-            os.replace(tmp, final)
+            os.replace(staged, final)
         except OSError:
             # Another builder finished first; theirs is as good as ours.
             if not (final / "etc/os-release").exists():
                 raise
 
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(build_root, ignore_errors=True)
+        shutil.rmtree(staged, ignore_errors=True)
     if bar is not None:
         bar.finish()
     return final
