@@ -48,9 +48,6 @@ class SnapshotPusher:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._one_at_a_time = asyncio.Lock()
 
-    def pending(self) -> list[str]:
-        return list(self._tasks)
-
     def start(self, push: PendingPush) -> None:
         """Push in the background. The image must already be in the cache; it stays pinned
         until the push is done (or cancelled)."""
@@ -68,13 +65,6 @@ class SnapshotPusher:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-
-    async def wait(self, snapshot_id: str) -> None:
-        """Until the snapshot's push (if any) has ended."""
-        task = self._tasks.get(snapshot_id)
-        if task is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.shield(task)
 
     async def close(self) -> None:
         """Stop every push; the records still say `in_repository=False`, so the next start
