@@ -300,10 +300,8 @@ def _protect_from_oom() -> None:
 def _new_netns() -> None:
     linux.unshare(linux.CLONE_NEWNET)
     linux.interface_up("lo")
-    # As in network slots (network.py sets them there) and Docker: ping without CAP_NET_RAW,
-    # ports below 1024 without CAP_NET_BIND_SERVICE.
-    _write_to("/proc/sys/net/ipv4/ping_group_range", "0 2147483647")
-    _write_to("/proc/sys/net/ipv4/ip_unprivileged_port_start", "0")
+    # As in network slots (network.py sets them there) and Docker.
+    _unprivileged_net_sysctls()
 
 
 def _place_workspace(stage: str, ws: str) -> None:
@@ -419,10 +417,10 @@ def _idmap_layers(spec: dict[str, Any], userns_fd: int) -> list[str]:
 
 
 def _unprivileged_net_sysctls() -> None:
-    """Our network namespace belongs to the host's user namespace, so the sandbox's root
-    (root of a child user namespace only) has no CAP_NET_BIND_SERVICE or CAP_NET_RAW in it:
-    let every uid bind ports below 1024 and open ICMP echo sockets (ping), as root in a
-    container expects. Written through the host's /proc (the sandbox's /proc/sys is
+    """Ping without CAP_NET_RAW (which no sandbox has) and ports below 1024 without
+    CAP_NET_BIND_SERVICE (which root in a user namespace lacks: our network namespace
+    belongs to the host's): every uid may bind ports below 1024 and open ICMP echo sockets,
+    as root in a container expects. Written through the host's /proc (the sandbox's /proc/sys is
     read-only), which shows the calling task's network namespace."""
     _write_to("/proc/sys/net/ipv4/ip_unprivileged_port_start", "0")
     _write_to("/proc/sys/net/ipv4/ping_group_range", "0 2147483647")
@@ -528,8 +526,6 @@ def _become_sandbox(cfg: dict[str, Any], name: str, spec: dict[str, Any], chan: 
         _new_netns()
     userns = cfg.get("userns")
     root_id = int(userns["host_id"]) if userns else 0  # the sandbox root's host uid/gid
-    if userns:
-        _unprivileged_net_sysctls()
     laps("netns")
     ws = spec["workspace"]
     _place_workspace(os.path.join(cfg["staging"], name), ws)
