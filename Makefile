@@ -4,7 +4,7 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-APT_PACKAGES := debootstrap nftables iproute2 procps libc-bin binutils btrfs-progs docker-registry skopeo apache2-utils busybox-static zstd libfuse2 libseccomp2
+APT_PACKAGES := debootstrap nftables iproute2 procps libc-bin binutils btrfs-progs docker-registry skopeo apache2-utils busybox-static zstd libfuse2 libseccomp2 etcd-server etcd-client
 STAMP := $(VENV)/.installed
 BUNDLE := /opt/aenv/runtime/py311/.complete
 CRIU := /usr/local/sbin/criu
@@ -15,7 +15,7 @@ E2E_QEMU := tests/e2e/test_sdk_sync.py tests/e2e/test_sdk_async.py tests/e2e/tes
 	tests/e2e/test_cli.py tests/e2e/test_api_errors.py tests/e2e/test_websocket.py \
 	tests/e2e/test_proxy_wire.py
 
-.PHONY: install criu run test test-fast test-js bench lint clean vm test-vm test-e2e-qemu bench-vm
+.PHONY: install criu run test test-fast test-js bench lint clean vm test-vm test-e2e-qemu bench-vm soak fuzz-long
 
 install: $(STAMP) $(BUNDLE) criu vm
 
@@ -75,6 +75,17 @@ bench-vm: install
 
 bench: install
 	$(PY) -m aenv.bench
+
+# A bounded soak under server kill -9 (aenv.bench.soak; figures in docs/reliability.md).
+# SOAK_ARGS to change it, e.g. make soak SOAK_ARGS="--minutes 5 --sandboxes 2".
+SOAK_ARGS ?= --minutes 30 --sandboxes 4 --kill-every 180 --kill-mode anywhere
+SOAK_JSON ?= /tmp/aenv-soak.json
+soak: install
+	$(PY) -m aenv.bench.soak $(SOAK_ARGS) --json $(SOAK_JSON)
+
+# The long run of envd's parser fuzz (20x the examples of the one in `make test`).
+fuzz-long: install
+	AENV_FUZZ_LONG=1 $(PY) -m pytest -q -ra tests/envd/test_fuzz_parsers.py -k long
 
 lint: install
 	$(VENV)/bin/ruff check src tests

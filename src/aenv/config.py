@@ -62,6 +62,14 @@ class SandboxDefaults:
     # server start, so that e2b-code-interpreter's first `Sandbox.create()` does not wait for
     # it past the SDK's 60 s request timeout; off, the first create naming it builds it.
     code_interpreter_prebuild: bool = True
+    # Resource samples of running sandboxes (GET /sandboxes/{id}/metrics?start&end): one
+    # every `metrics_interval_s` (0: none), the last `metrics_kept` of each sandbox.
+    metrics_interval_s: int = 5
+    metrics_kept: int = 720
+    # Sandbox logs (GET /sandboxes/{id}/logs): at most `logs_per_sandbox` entries each, none
+    # older than `logs_max_age_s`; they outlive the sandbox until then.
+    logs_per_sandbox: int = 2000
+    logs_max_age_s: int = 7 * 24 * 3600
 
 
 @dataclass
@@ -158,6 +166,11 @@ class StorageConfig:
     volume: str = "auto"
     volume_size_gb: int = 0  # GiB, sparse; 0: 3/4 of the free space where the image is made
     volume_image: str = ""  # the backing file; "" = $home/volume.img
+    # E2B volumes (`orchestrator/volumes.py`, under $home/volumes): a volume's size, MiB,
+    # unless its create names one (enforced where volumes live on btrfs), and how many a
+    # node keeps.
+    volumes_size_mb: int = 10240
+    volumes_max: int = 1000
 
 
 @dataclass

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from aenv.api.images import ImageRoutes
 from aenv.api.routes import SandboxRoutes
 from aenv.api.templates import TemplateRoutes
+from aenv.api.volumes import VolumeRoutes
 from aenv.devserver import ServerProcess
 
 UNKNOWN_ID = "zzzzzzzzzzzzzzzzzzzz"
@@ -179,8 +180,8 @@ def test_bad_query_integers_are_400(client: httpx.Client) -> None:
 def served_operations() -> set[tuple[str, str]]:
     """(path, method) of every control-plane route, read from the route classes themselves
     (their `routes()` uses nothing of the instance but its bound handlers)."""
-    ops = {("/health", "get"), ("/openapi.json", "get")}
-    for cls in (SandboxRoutes, ImageRoutes, TemplateRoutes):
+    ops = {("/health", "get"), ("/openapi.json", "get"), ("/metrics", "get")}
+    for cls in (SandboxRoutes, ImageRoutes, TemplateRoutes, VolumeRoutes):
         for route in cls.routes(cls.__new__(cls)):  # type: ignore[arg-type]
             ops |= {(route.path, m.lower()) for m in route.methods or () if m != "HEAD"}
     return ops

@@ -285,6 +285,30 @@ def test_forged_arp_does_not_divert_a_neighbours_traffic(pair: tuple[Peer, Peer]
     _received(b, f"after-arp-{token}")
 
 
+def test_unicast_to_an_unlearnt_address_is_not_flooded_to_a_sandbox(
+        pair: tuple[Peer, Peer]) -> None:
+    """The host's frame to an address whose MAC the bridge has not learnt (a slot whose
+    index, hence IP and MAC, was used before, while the host's neighbour entry is still
+    valid) used to be flooded to every port: A read traffic meant for another sandbox. Now
+    ports get no unknown-unicast floods, and each slot's MAC has a static entry."""
+    a, _ = pair
+    token = uuid.uuid4().hex[:8]
+    # An address of the subnet no slot has, with a neighbour entry to a MAC nobody has.
+    ghost = str(ipaddress.IPv4Network(SUBNET).broadcast_address - 7)
+    subprocess.run(["ip", "neigh", "replace", ghost, "lladdr", "02:ae:00:00:fe:fe", "dev",
+                    BRIDGE, "nud", "reachable"], check=True)
+    try:
+        with packet_socket(a.netns) as raw:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                for _ in range(5):
+                    s.sendto(f"ghost-{token}".encode(), (ghost, UDP_PORT))
+                    time.sleep(0.05)
+            seen = frames_seen(raw, 1.0)
+    finally:
+        subprocess.run(["ip", "neigh", "del", ghost, "dev", BRIDGE], check=False)
+    assert not [f for f in seen if f"ghost-{token}".encode() in f]
+
+
 def test_spoofed_mac_does_not_capture_a_neighbours_traffic(pair: tuple[Peer, Peer],
                                                            bridge_mac: str) -> None:
     a, b = pair

@@ -7,6 +7,7 @@ import os
 import random
 import shutil
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -210,6 +211,26 @@ async def test_delete_and_gc_keep_shared_chunks(repo: Repository, tmp_path: Path
     with pytest.raises(AenvError) as exc:
         await repo.delete("gc-a")
     assert exc.value.code is ErrorCode.NOT_FOUND
+
+
+async def test_gc_removes_the_markers_of_pushes_that_died(repo: Repository) -> None:
+    """A push killed with its server (kill -9) leaves `pending/<id>.<token>` behind: past its
+    time gc neither waits for it nor keeps it (it used to stay for good)."""
+    repo.store.put_meta("pending/died.x", b"{}")
+    repo.store.put_meta("pending/running.y", b"{}")
+    repo.marker_ttl_s = 3600
+    old = time.time() - 7200
+    marker = next(m for m in repo.store.list_meta("pending") if m.name.endswith("died.x"))
+    path = getattr(repo.store, "_meta", None)
+    if path is None:
+        pytest.skip("this backend cannot age a marker")  # S3 has no settable mtime
+    os.utime(path / marker.name, (old, old))
+    stats = await repo.gc()
+    assert stats.stale_markers == 1 and stats.skipped  # the fresh one still holds gc off
+    assert [m.name for m in repo.store.list_meta("pending")] == [
+        m.name for m in repo.store.list_meta("pending") if m.name.endswith("running.y")]
+    repo.store.delete_meta(next(m.name for m in repo.store.list_meta("pending")))
+    assert not (await repo.gc()).skipped
 
 
 async def test_bad_ids_and_unsafe_manifest_paths(repo: Repository, tmp_path: Path) -> None:

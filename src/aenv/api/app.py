@@ -27,10 +27,12 @@ from aenv.api.bodies import InputLimits
 from aenv.api.errors import CrashAnswer, error_response, from_aenv_error
 from aenv.api.images import ImageRoutes
 from aenv.api.openapi import openapi_document
+from aenv.api.prom import CONTENT_TYPE, NodeMetrics
 from aenv.api.proxy import SandboxProxy, route_by_headers, route_by_signature
 from aenv.api.routes import SandboxRoutes
 from aenv.api.templates import TemplateRoutes
 from aenv.api.upgrade import TunnelRegistry
+from aenv.api.volumes import CONTENT_PREFIX, VolumeRoutes
 from aenv.builds.builder import TemplateBuilds
 from aenv.builds.code_interpreter import CodeInterpreterTemplate
 from aenv.config import Config
@@ -39,9 +41,12 @@ from aenv.images.base import build_base_layer
 from aenv.images.cache import LayerCache
 from aenv.images.lazy import LazyLayers
 from aenv.images.pull import ImagePuller
+from aenv.orchestrator.events import SandboxEvents
 from aenv.orchestrator.manager import SandboxManager
 from aenv.orchestrator.models import TemplateRecord
+from aenv.orchestrator.samples import MetricSamples
 from aenv.orchestrator.store import Store
+from aenv.orchestrator.volumes import VolumeManager
 from aenv.runtime.registry import load_driver
 from aenv.storage.layout import Layout
 from aenv.storage.repository import LocalCache, Repository, open_blob_store
@@ -60,7 +65,9 @@ class ApiKeyAuth:
         self.api_key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in UNAUTHENTICATED_PATHS:
+        # The volume content API checks each volume's own token instead (api/volumes.py).
+        if (scope["type"] == "http" and scope["path"] not in UNAUTHENTICATED_PATHS
+                and not scope["path"].startswith(CONTENT_PREFIX)):
             given = next((v for k, v in scope["headers"] if k == b"x-api-key"), b"")
             if not hmac.compare_digest(given, self.api_key):
                 message = "missing API key" if not given else "invalid API key"
@@ -138,22 +145,39 @@ def build_server(config: Config, show_progress: bool = True) -> Server:
                              img.cache_bytes, in_use=lambda: manager.layers_in_use(), lazy=lazy)
     puller = ImagePuller(config, layout, store, layer_cache, lazy)
     puller.sweep()
+    sc = config.sandbox
+    events = SandboxEvents(layout.home / "events.sqlite3", max_per_sandbox=sc.logs_per_sandbox,
+                           max_age_s=sc.logs_max_age_s)
+    events.prune()
     manager = SandboxManager(config, layout, store, driver, ensure_templates, snapshots,
-                             load_driver=lambda name: load_driver(name, config), images=puller)
+                             load_driver=lambda name: load_driver(name, config), images=puller,
+                             events=events)
+    samples = MetricSamples(manager, sc.metrics_interval_s, sc.metrics_kept)
+    node_metrics = NodeMetrics(manager, layer_cache, events)
     proxy = SandboxProxy(manager)
-    routes = SandboxRoutes(manager, config)
+    routes = SandboxRoutes(manager, config, samples)
     images = ImageRoutes(puller, store)
     builds = TemplateBuilds(config, layout, manager, puller)
     code_interpreter = CodeInterpreterTemplate(builds)
     manager.template_provider = code_interpreter.ensure
     templates = TemplateRoutes(builds)
+    volumes = VolumeManager(layout.volumes_dir, config.storage.volumes_size_mb,
+                            config.storage.volumes_max, users=manager.volume_users)
+    volumes.load()
+    manager.volumes = volumes
+    volume_routes = VolumeRoutes(volumes, manager, config)
 
     async def health(_: Request) -> Response:
         return Response(status_code=204)
 
     async def on_aenv_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, AenvError)
-        return from_aenv_error(exc)
+        response = from_aenv_error(exc)
+        node_metrics.count_error(exc.code, response.status_code)
+        return response
+
+    async def metrics(_: Request) -> Response:
+        return Response(node_metrics.exposition(), media_type=CONTENT_TYPE)
 
     async def on_http_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -166,6 +190,7 @@ def build_server(config: Config, show_progress: bool = True) -> Server:
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         await manager.start()
+        sampler = asyncio.create_task(samples.run(), name="aenv-metric-samples")
         prebuild = (asyncio.create_task(code_interpreter.prebuild(), name="aenv-ci-prebuild")
                     if config.sandbox.code_interpreter_prebuild else None)
         try:
@@ -174,18 +199,22 @@ def build_server(config: Config, show_progress: bool = True) -> Server:
             if prebuild is not None:
                 prebuild.cancel()
                 await asyncio.gather(prebuild, return_exceptions=True)
+            sampler.cancel()
+            await asyncio.gather(sampler, return_exceptions=True)
             await builds.close()
             await manager.close()
             await puller.close()
             store.close()
+            events.close()
 
     async def openapi(_: Request) -> Response:
         return JSONResponse(openapi_document(control.routes, aenv.__version__))
 
     control = Starlette(
         routes=[Route("/health", health, methods=["GET"]),
-                Route("/openapi.json", openapi, methods=["GET"]), *routes.routes(),
-                *images.routes(), *templates.routes()],
+                Route("/openapi.json", openapi, methods=["GET"]),
+                Route("/metrics", metrics, methods=["GET"]), *routes.routes(),
+                *images.routes(), *templates.routes(), *volume_routes.routes()],
         middleware=[Middleware(CrashAnswer)],
         exception_handlers={AenvError: on_aenv_error, HTTPException: on_http_error,
                             Exception: on_crash},

@@ -52,7 +52,7 @@ def template_body(tpl: TemplateRecord) -> dict[str, Any]:
     return {
         "templateID": tpl.template_id, "buildID": tpl.template_id,
         "cpuCount": tpl.cpu_count, "memoryMB": tpl.memory_mb, "diskSizeMB": tpl.disk_size_mb,
-        "public": False, "aliases": list(tpl.names), "names": list(tpl.names),
+        "public": tpl.public, "aliases": list(tpl.names), "names": list(tpl.names),
         "createdAt": created, "updatedAt": created, "createdBy": None, "lastSpawnedAt": None,
         "spawnCount": 0, "buildCount": 1, "envdVersion": ENVD_VERSION, "buildStatus": "ready",
         "kind": template_kind(tpl), "sourceImage": tpl.source_image,
@@ -71,33 +71,12 @@ class ImageRoutes:
             Route("/aenv/images/pull", self.pull, methods=["POST"]),
             Route("/templates", self.list_templates, methods=["GET"]),
             Route("/aenv/images/cache", self.cache, methods=["GET"]),
-            Route("/metrics", self.metrics, methods=["GET"]),
         ]
 
     async def cache(self, _: Request) -> Response:
         """The image layer cache: counters and every layer (most recently used first)."""
         cache = self.puller.cache
         return JSONResponse({**cache.stats().to_json(), "entries": cache.listing()})
-
-    async def metrics(self, _: Request) -> Response:
-        """Prometheus text exposition of the node's counters (the image layer cache)."""
-        st = self.puller.cache.stats()
-        rows = [("aenv_layer_cache_bytes", "gauge", "bytes of unpacked image layers on disk",
-                 st.bytes),
-                ("aenv_layer_cache_max_bytes", "gauge", "configured limit (0: unbounded)",
-                 st.max_bytes),
-                ("aenv_layer_cache_layers", "gauge", "image layers on disk", st.layers),
-                ("aenv_layer_cache_held_layers", "gauge", "layers in use", st.held),
-                ("aenv_layer_cache_hits_total", "counter", "layers found local at create",
-                 st.hits),
-                ("aenv_layer_cache_misses_total", "counter", "layers fetched again at create",
-                 st.misses),
-                ("aenv_layer_cache_evictions_total", "counter", "layers evicted", st.evictions),
-                ("aenv_layer_cache_evicted_bytes_total", "counter", "bytes evicted",
-                 st.evicted_bytes)]
-        text = "".join(f"# HELP {name} {help_}\n# TYPE {name} {kind}\n{name} {value}\n"
-                       for name, kind, help_, value in rows)
-        return Response(text, media_type="text/plain; version=0.0.4")
 
     async def list_templates(self, _: Request) -> Response:
         return JSONResponse([template_body(t) for t in self.store.iter_templates()])

@@ -5,6 +5,9 @@ Routing, in order:
 2. the Host header `<port>-<sandboxID>.<domain>` (E2B's host-based scheme);
 3. a signed `/files` URL (the SDK's `download_url`/`upload_url` carry no sandbox header): the
    sandbox is the one whose access token verifies the signature.
+A sandbox created with `network.allowPublicTraffic: false` answers on ports other than envd's
+only to requests carrying its `e2b-traffic-access-token` (403 otherwise; the header is not
+passed on), and `network.maskRequestHost` (`${PORT}` substituted) is the Host its ports see.
 The proxy speaks HTTP/1.1 to the sandbox over a socket the runtime driver opens inside the
 sandbox's network namespace, streams bodies both ways without buffering (Connect streams are
 long-lived and flushed per frame), and keeps idle upstream connections for reuse.
@@ -15,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import hmac
 import json
 import logging
 import re
@@ -38,6 +42,7 @@ _REQUEST_ONLY_HERE = frozenset({b"expect"})
 # Not relayed to the client: uvicorn writes its own Date (two Date fields are invalid).
 _RESPONSE_ONLY_HERE = frozenset({b"content-length", b"date"})
 _HOST_RE = re.compile(r"^(\d{1,5})-([a-z0-9]+)\.")
+TRAFFIC_TOKEN_HEADER = b"e2b-traffic-access-token"
 MAX_IDLE_PER_TARGET = 8
 _MAX_HEAD = 64 * 1024
 
@@ -66,6 +71,36 @@ def route_by_headers(scope: Scope, domain: str | None) -> Target | None:
         if m:
             return Target(m.group(2), int(m.group(1)))
     return None
+
+
+def traffic_refusal(manager: SandboxManager, target: Target,
+                    headers: list[tuple[bytes, bytes]]) -> str | None:
+    """Why a request to `target` is refused for want of the sandbox's traffic access token,
+    or None (allowed; also when the sandbox is unknown: the caller's 502 says so)."""
+    try:
+        rec = manager.get(target.sandbox_id)
+    except AenvError:
+        return None
+    if rec.traffic_access_token is None or target.port == manager.config.sandbox.envd_port:
+        return None
+    given = next((v for k, v in headers if k.lower() == TRAFFIC_TOKEN_HEADER), b"")
+    if not given:
+        return (f"sandbox {target.sandbox_id} does not accept public traffic: send its "
+                "trafficAccessToken in the e2b-traffic-access-token header")
+    if not hmac.compare_digest(given, rec.traffic_access_token.encode()):
+        return "invalid e2b-traffic-access-token"
+    return None
+
+
+def upstream_host(manager: SandboxManager, target: Target) -> bytes:
+    """The Host the sandbox's port sees: its `maskRequestHost`, else 127.0.0.1:<port>."""
+    try:
+        mask = manager.get(target.sandbox_id).network.get("maskRequestHost")
+    except AenvError:
+        mask = None
+    if isinstance(mask, str) and mask:
+        return mask.replace("${PORT}", str(target.port)).encode("latin-1", errors="replace")
+    return b"127.0.0.1:%d" % target.port
 
 
 def file_signature(path: str, op: str, username: str, token: str, expiration: str | None) -> str:
@@ -194,6 +229,11 @@ class SandboxProxy:
         if scope["type"] != "http":
             await send({"type": "websocket.close", "code": 1011})
             return
+        refusal = traffic_refusal(self.manager, target, scope["headers"])
+        if refusal is not None:
+            body = json.dumps({"sandboxId": target.sandbox_id, "message": refusal, "code": 403})
+            await self._send_error(send, 403, body.encode())
+            return
         try:
             conn = await self._open(target)
         except AenvError as exc:
@@ -231,9 +271,10 @@ class SandboxProxy:
         if scope.get("query_string"):
             path += b"?" + scope["query_string"]
         head = [scope["method"].encode() + b" " + path + b" HTTP/1.1",
-                b"host: 127.0.0.1:" + str(target.port).encode()]
+                b"host: " + upstream_host(self.manager, target)]
         head += [k + b": " + v for k, v in scope["headers"]
-                 if k.lower() not in _HOP_BY_HOP and k.lower() not in _REQUEST_ONLY_HERE]
+                 if k.lower() not in _HOP_BY_HOP and k.lower() not in _REQUEST_ONLY_HERE
+                 and k.lower() != TRAFFIC_TOKEN_HEADER]
         if chunked_in or not has_length and scope["method"] not in ("GET", "HEAD", "DELETE",
                                                                      "OPTIONS"):
             head.append(b"transfer-encoding: chunked")

@@ -6,12 +6,15 @@ Response shapes follow the e2b 2.63 SDK's generated models (`e2b/api/client/mode
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from aenv.envd.settings import ENVD_VERSION
+from aenv.orchestrator.events import LogEntry
+from aenv.orchestrator.manager import pause_mode
 from aenv.orchestrator.models import SandboxRecord, TemplateRecord
 from aenv.runtime.base import ResourceUsage
 
@@ -40,15 +43,66 @@ class AutoResume(_Body):
     enabled: bool = False
 
 
+RuleList = list[Annotated[str, StringConstraints(min_length=1, max_length=256)]]
+
+
+class NetworkConfig(_Body):
+    """E2B's `SandboxNetworkConfig` (create). The egress rules' meaning: runtime/egress.py;
+    egressProxy, rules and httpsPorts are refused (not implemented)."""
+
+    allow_public_traffic: bool | None = Field(default=None, alias="allowPublicTraffic")
+    allow_out: RuleList | None = Field(default=None, alias="allowOut", max_length=256)
+    deny_out: RuleList | None = Field(default=None, alias="denyOut", max_length=256)
+    dns_servers: RuleList | None = Field(default=None, alias="dnsServers", max_length=10)
+    mask_request_host: str | None = Field(default=None, alias="maskRequestHost",
+                                          min_length=1, max_length=253)
+    egress_proxy: dict[str, Any] | None = Field(default=None, alias="egressProxy")
+    https_ports: list[Int32] | None = Field(default=None, alias="httpsPorts", max_length=64)
+    rules: dict[str, Any] | None = None
+
+    def as_record(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+class NetworkUpdate(_Body):
+    """E2B's `SandboxNetworkUpdateConfig` (`PUT /sandboxes/{id}/network`): replaces the
+    egress rules as a whole."""
+
+    allow_out: RuleList | None = Field(default=None, alias="allowOut", max_length=256)
+    deny_out: RuleList | None = Field(default=None, alias="denyOut", max_length=256)
+    dns_servers: RuleList | None = Field(default=None, alias="dnsServers", max_length=10)
+    egress_proxy: dict[str, Any] | None = Field(default=None, alias="egressProxy")
+    rules: dict[str, Any] | None = None
+    allow_internet_access: bool | None = None
+
+    def as_update(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+class VolumeMountBody(_Body):
+    name: str = Field(min_length=1, max_length=128)
+    path: str = Field(min_length=1, max_length=255)
+
+
+class NewVolume(_Body):
+    name: str = Field(min_length=1, max_length=128)
+    # aenv's own: the volume's size (its quota), MiB; the server's default otherwise.
+    size_mb: Int32 | None = Field(default=None, alias="sizeMB")
+
+
 class NewSandbox(_Body):
     template_id: str = Field(alias="templateID", min_length=1, max_length=256)
     timeout: Int32 | None = None
     metadata: Metadata | None = Field(default=None, max_length=MAX_METADATA_KEYS)
     env_vars: EnvVars | None = Field(default=None, alias="envVars", max_length=MAX_ENV_VARS)
     auto_pause: bool | None = Field(default=None, alias="autoPause")
+    # False: the pause at expiry keeps only the files (boots afresh on resume)
+    auto_pause_memory: bool | None = Field(default=None, alias="autoPauseMemory")
     auto_resume: AutoResume | None = Field(default=None, alias="autoResume")
     allow_internet_access: bool | None = None
-    network: dict[str, Any] | None = None
+    network: NetworkConfig | None = None
+    volume_mounts: list[VolumeMountBody] | None = Field(default=None, alias="volumeMounts",
+                                                        max_length=16)
     secure: bool | None = None
     # aenv's own: the runtime driver for this sandbox ("container", "qemu", ...); the
     # metadata key `aenv.runtime` says the same for clients that cannot add fields (the SDK).
@@ -60,6 +114,8 @@ class NewSandbox(_Body):
 
 class ConnectSandbox(_Body):
     timeout: Int32 | None = None
+    # False: a paused sandbox boots afresh on its files (SDK: `on_resume="reboot"`)
+    memory: bool | None = None
 
 
 class TimeoutBody(_Body):
@@ -67,12 +123,17 @@ class TimeoutBody(_Body):
 
 
 class PauseBody(_Body):
+    # False: keep only the writable layer (SDK: `pause(mode="filesystem")`)
     memory: bool | None = None
+    # The pause checks envd answers first either way (a dead sandbox is removed, 404).
+    require_healthy_guest: bool | None = Field(default=None, alias="requireHealthyGuest")
 
 
 class SnapshotBody(_Body):
     name: str | None = Field(default=None, min_length=1, max_length=128,
                              pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    # False (SDK: `mode="filesystem"`): not supported, answered 501
+    memory: bool | None = None
 
 
 class ForkBody(_Body):
@@ -102,7 +163,7 @@ def sandbox_body(rec: SandboxRecord, domain: str | None) -> dict[str, Any]:
         "clientID": rec.client_id,
         "envdVersion": ENVD_VERSION,
         "envdAccessToken": rec.envd_access_token,
-        "trafficAccessToken": None,
+        "trafficAccessToken": rec.traffic_access_token,
         "domain": domain,
         **({"alias": rec.alias} if rec.alias else {}),
     }
@@ -122,6 +183,7 @@ def listed_body(rec: SandboxRecord) -> dict[str, Any]:
         "state": rec.state.api_state,
         "metadata": rec.metadata,
         **({"alias": rec.alias} if rec.alias else {}),
+        "volumeMounts": [{"name": m["name"], "path": m["path"]} for m in rec.volume_mounts],
     }
 
 
@@ -133,6 +195,8 @@ def detail_body(rec: SandboxRecord, domain: str | None) -> dict[str, Any]:
         "allowInternetAccess": rec.allow_internet_access,
         "lifecycle": {"autoResume": rec.auto_resume,
                       "onTimeout": "pause" if rec.auto_pause else "kill"},
+        **({"pauseMode": mode} if (mode := pause_mode(rec)) else {}),
+        **({"network": rec.network} if rec.network else {}),
         "runtime": rec.runtime,
         # VM runtimes record their accelerator (kvm or tcg) in the handle.
         **({"runtimeAccelerator": rec.handle["accel"]} if rec.handle.get("accel") else {}),
@@ -151,3 +215,16 @@ def metric_body(at: datetime, cpu_count: int, usage: ResourceUsage) -> dict[str,
         "diskUsed": usage.disk_used_bytes,
         "diskTotal": usage.disk_total_bytes,
     }
+
+
+def log_entry_body(entry: LogEntry) -> dict[str, Any]:
+    """E2B's `SandboxLogEntry`."""
+    return {"timestamp": _ts(entry.timestamp), "message": entry.message, "level": entry.level,
+            "fields": dict(entry.fields)}
+
+
+def log_line_body(entry: LogEntry) -> dict[str, Any]:
+    """E2B's v1 `SandboxLog`: the entry as one JSON line."""
+    return {"timestamp": _ts(entry.timestamp),
+            "line": json.dumps({"level": entry.level, "message": entry.message,
+                                **entry.fields})}

@@ -32,7 +32,13 @@ import h11
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from aenv.api.proxy import Target, route_by_headers
+from aenv.api.proxy import (
+    TRAFFIC_TOKEN_HEADER,
+    Target,
+    route_by_headers,
+    traffic_refusal,
+    upstream_host,
+)
 from aenv.errors import AenvError, ErrorCode
 from aenv.orchestrator.manager import SandboxManager
 
@@ -42,7 +48,8 @@ log = logging.getLogger("aenv.proxy")
 CLOSE_GRACE_S = 30.0
 # Request headers the tunnel sets itself (the rest pass through unchanged).
 _REWRITTEN = frozenset({b"host", b"connection", b"upgrade", b"keep-alive", b"proxy-authorization",
-                        b"proxy-connection", b"te", b"trailer", b"transfer-encoding"})
+                        b"proxy-connection", b"te", b"trailer", b"transfer-encoding",
+                        TRAFFIC_TOKEN_HEADER})
 
 
 def _error_bytes(status: int, reason: str, body: dict[str, Any]) -> bytes:
@@ -330,10 +337,16 @@ class TunnelingHttpToolsProtocol(HttpToolsProtocol):
         target = self._tunnel_target()
         assert registry is not None and target is not None  # _should_upgrade() said so
         registry.server_connections = self.server_state.connections
+        refusal = traffic_refusal(registry.manager, target, headers)
+        if refusal is not None:
+            self.transport.write(_error_bytes(403, "Forbidden", {
+                "sandboxId": target.sandbox_id, "message": refusal, "code": 403}))
+            self.transport.close()
+            return
         method = self.scope["method"].encode()
         upgrade = next(v for k, v in headers if k == b"upgrade")
-        forwarded = [(b"host", b"127.0.0.1:%d" % target.port), (b"connection", b"Upgrade"),
-                     (b"upgrade", upgrade)]
+        forwarded = [(b"host", upstream_host(registry.manager, target)),
+                     (b"connection", b"Upgrade"), (b"upgrade", upgrade)]
         forwarded += [(k, v) for k, v in headers if k not in _REWRITTEN]
         head = b"".join([method, b" ", self.url, b" HTTP/1.1\r\n",
                          *(k + b": " + v + b"\r\n" for k, v in forwarded), b"\r\n"])

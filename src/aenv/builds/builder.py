@@ -13,14 +13,33 @@ always killed; a failed build leaves no template (a rebuild's previous template 
 Must not touch: sandbox lifecycle beyond `SandboxManager`'s public methods; image layers
 (`images/`); HTTP (`api/templates.py` shapes the answers).
 
-Build state is in memory: a restart forgets builds (not the templates they made).
+Build cache: every built template records what its snapshot is the result of (a chain of
+sha256 keys: the base, then each step's type, arguments and files hash; then the start and
+ready commands) and the build state at its end, in `cache/build-cache.json`. A new build whose
+steps begin with the whole chain of a template's build starts its build sandbox from that
+template (a restore) and runs only the steps after it: the steps whose inputs did not change
+are not run again (logged `CACHED`). A build with exactly the same inputs as the template it
+rebuilds runs nothing. A template whose build ran a start command serves only as an exact
+match (its snapshot holds the running start command). `force` (the SDK's
+`skip_cache`) runs every step; a step's `force` (the SDK's `skip_cache()` before it) runs it
+and all that follow.
+
+A built template records its start and ready commands: when one of its sandboxes boots
+afresh on its files (a resume without memory, `SandboxManager.on_cold_boot`), `start_again`
+runs the start command again and polls the ready command.
+
+Build state is in memory: a restart forgets builds (not the templates they made, nor the
+build cache).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 import logging
+import os
 import posixpath
 import re
 import secrets
@@ -39,7 +58,8 @@ from aenv.config import Config
 from aenv.errors import AenvError, ErrorCode, invalid, not_found
 from aenv.images.pull import ImagePuller
 from aenv.orchestrator.manager import SandboxManager
-from aenv.orchestrator.models import CreateRequest, TemplateRecord
+from aenv.orchestrator.models import CreateRequest, SandboxRecord, TemplateRecord
+from aenv.orchestrator.recovery import BUILD_METADATA_KEY as BUILD_SANDBOX_KEY
 from aenv.storage.layout import Layout
 
 log = logging.getLogger("aenv.builds")
@@ -47,12 +67,14 @@ log = logging.getLogger("aenv.builds")
 READY_TIMEOUT_S = 300.0  # readyCmd must succeed within this long of the start command
 READY_INTERVAL_S = 0.5
 READY_CHECK_TIMEOUT_S = 30.0  # one run of readyCmd
+COLD_READY_TIMEOUT_S = 60.0  # readyCmd after a sandbox of the template booted afresh
 MAX_CONCURRENT_BUILDS = 2  # more wait (status "waiting")
 MAX_LOG_ENTRIES = 50_000  # per build; later lines are counted, not kept
 BUILD_SANDBOX_TTL_S = 6 * 3600
 REASON_LOG_TAIL = 20
 KEEP_BUILDS = 10  # per template, in memory
-BUILD_METADATA_KEY = "aenv.build"  # metadata of build sandboxes: "<template>/<build>"
+# metadata of build sandboxes: "<template>/<build>" (destroyed by the recovery at start)
+BUILD_METADATA_KEY = BUILD_SANDBOX_KEY
 STEP_TYPES = frozenset({"RUN", "ENV", "ARG", "WORKDIR", "USER", "COPY", "ADD"})
 _HASH = re.compile(r"^[0-9a-f]{64}$")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
@@ -76,6 +98,7 @@ class Step:
     type: str
     args: list[str] = field(default_factory=list)
     files_hash: str | None = None
+    force: bool = False  # run it (and every step after it) whatever the build cache holds
 
 
 @dataclass
@@ -87,6 +110,7 @@ class BuildSpec:
     start_cmd: str | None = None
     ready_cmd: str | None = None
     registry_credentials: bool = False
+    force: bool = False  # run every step: the build cache is not used
 
 
 @dataclass
@@ -134,6 +158,88 @@ class _State:
         return {**self.args, **self.env}  # ENV wins over ARG, as in Docker
 
 
+def _key(previous: str, item: object) -> str:
+    return hashlib.sha256(f"{previous}\n{json.dumps(item, sort_keys=True)}".encode()).hexdigest()
+
+
+def cache_keys(base: TemplateRecord, spec: BuildSpec) -> tuple[list[str], str]:
+    """The build's chain: [base key, key after step 1, ...] and the key of the whole build
+    (the start and ready commands too). A base that was rebuilt has other layers: other keys."""
+    keys = [_key("base", [base.template_id, base.image, base.layers,
+                          base.created_at.isoformat() if base.created_at else None])]
+    for step in spec.steps:
+        keys.append(_key(keys[-1], [step.type, step.args, step.files_hash]))
+    return keys, _key(keys[-1], ["finalize", spec.start_cmd, spec.ready_cmd])
+
+
+@dataclass
+class CacheHit:
+    template_id: str  # the template whose snapshot is the state after `steps` steps
+    steps: int
+    exact: bool  # the same build entirely (start and ready commands too)
+    state: _State
+
+
+class BuildCache:
+    """What each built template's snapshot is the result of (see the module docstring)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._entries: dict[str, dict[str, Any]] = {}
+        with contextlib.suppress(OSError, ValueError):
+            loaded = json.loads(path.read_text())
+            if isinstance(loaded, dict):
+                self._entries = {k: v for k, v in loaded.items() if isinstance(v, dict)}
+
+    def _save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.{secrets.token_hex(4)}")
+        tmp.write_text(json.dumps(self._entries))
+        os.replace(tmp, self.path)
+
+    def put(self, tpl: TemplateRecord, keys: list[str], final: str, state: _State,
+            started: bool) -> None:
+        self._entries[tpl.template_id] = {
+            "keys": keys, "final": final, "started": started,
+            "created": tpl.created_at.isoformat() if tpl.created_at else None,
+            "state": {"user": state.user, "workdir": state.workdir, "env": state.env,
+                      "args": state.args}}
+        self._save()
+
+    def forget(self, template_id: str) -> None:
+        if self._entries.pop(template_id, None) is not None:
+            self._save()
+
+    def lookup(self, find: Callable[[str], TemplateRecord | None], keys: list[str],
+               final: str, usable_steps: int) -> CacheHit | None:
+        """The template to start from: the longest whole chain that begins ours (at most
+        `usable_steps` steps), the exact build first. Entries of templates that were deleted
+        or rebuilt since are dropped."""
+        best: CacheHit | None = None
+        for template_id, entry in list(self._entries.items()):
+            tpl = find(template_id)
+            created = tpl.created_at.isoformat() if tpl is not None and tpl.created_at else None
+            if tpl is None or tpl.image is None or created != entry.get("created"):
+                self.forget(template_id)
+                continue
+            theirs = entry.get("keys")
+            if not isinstance(theirs, list) or not theirs:
+                continue
+            steps = len(theirs) - 1
+            if steps > usable_steps or theirs != keys[:len(theirs)]:
+                continue
+            exact = steps == len(keys) - 1 and entry.get("final") == final
+            if entry.get("started") and not exact:
+                continue  # its snapshot runs a start command the rest would run under
+            raw = entry.get("state") or {}
+            hit = CacheHit(template_id, steps, exact, _State(
+                user=str(raw.get("user") or tpl.default_user), workdir=raw.get("workdir"),
+                env=dict(raw.get("env") or {}), args=dict(raw.get("args") or {})))
+            if best is None or (hit.exact, hit.steps) > (best.exact, best.steps):
+                best = hit
+        return best
+
+
 def split_name(name: str) -> tuple[str, list[str]]:
     """`name[:tag]` -> (name, [tag])."""
     base, sep, tag = name.rpartition(":")
@@ -156,6 +262,8 @@ class TemplateBuilds:
         self.manager = manager
         self.puller = puller
         self.files_dir = layout.cache_dir / "build-files"
+        self.cache = BuildCache(layout.cache_dir / "build-cache.json")
+        manager.on_cold_boot = self.start_again
         self.templates: dict[str, BuildTemplate] = {}
         self._slots = asyncio.Semaphore(MAX_CONCURRENT_BUILDS)
         self.ready_timeout_s = READY_TIMEOUT_S
@@ -239,6 +347,7 @@ class TemplateBuilds:
             await asyncio.to_thread(shutil.rmtree, self.files_dir / pending.template_id, True)
         if stored is not None and (pending is None or stored.template_id == pending.template_id):
             await self.manager.delete_template(stored.template_id)
+            self.cache.forget(stored.template_id)
 
     # ---------------------------------------------------------------- build context files
     def files_path(self, template_id: str, files_hash: str) -> Path:
@@ -349,31 +458,59 @@ class TemplateBuilds:
     async def _pipeline(self, tpl: BuildTemplate, build: Build, spec: BuildSpec,
                         at: Callable[[str], None]) -> None:
         base = await self._base(build, spec)
+        keys, final = cache_keys(base, spec)
+        total = len(spec.steps)
+        forced = next((i - 1 for i, step in enumerate(spec.steps, 1) if step.force), total)
+        hit = None if spec.force else self.cache.lookup(self.manager.store.find_template, keys,
+                                                        final, forced)
+        state = _State(user=base.default_user, workdir=base.default_workdir)
+        if spec.force:
+            self._log(build, "Build cache not used (force)", "base")
+        if hit is not None:
+            state = hit.state
+            for i, step in enumerate(spec.steps[:hit.steps], 1):
+                self._log(build, f"CACHED [{i}/{total}] {_describe(step)}", str(i))
+            if hit.exact and hit.template_id == tpl.template_id:
+                self._log(build, "Nothing changed since the template's last build: it is "
+                          "kept as it is", "finalize")
+                current = self.manager.find_template(tpl.template_id)
+                now = utcnow().isoformat()
+                self.manager.store.put_template(replace(current, tags={
+                    **current.tags, **{t: now for t in tpl.tags if t != "default"}}))
+                return
         timeout = min(BUILD_SANDBOX_TTL_S, self.config.sandbox.max_timeout_s)
         sandbox = await self.manager.create(CreateRequest(
-            template=base.template_id, timeout_s=timeout, auto_pause=False,
+            template=hit.template_id if hit is not None else base.template_id,
+            timeout_s=timeout, auto_pause=False,
             metadata={BUILD_METADATA_KEY: f"{tpl.template_id}/{build.build_id}"}))
-        self._log(build, f"Build sandbox {sandbox.sandbox_id} started", "base")
+        self._log(build, f"Build sandbox {sandbox.sandbox_id} started"
+                  + (f" from the build cache (template {hit.template_id})" if hit else ""),
+                  "base")
         envd = SandboxEnvd(self.manager.open_port, sandbox.sandbox_id, sandbox.envd_access_token,
                            self.config.sandbox.envd_port)
-        state = _State(user=base.default_user, workdir=base.default_workdir)
         try:
-            total = len(spec.steps)
             for i, step in enumerate(spec.steps, 1):
+                if hit is not None and i <= hit.steps:
+                    continue
                 at(str(i))
                 self._log(build, f"[{i}/{total}] {_describe(step)}", str(i))
                 await self._step(build, envd, state, step, str(i))
             at("finalize")
-            if spec.start_cmd:
+            if hit is not None and hit.exact:
+                pass  # the snapshot it starts from runs the start command already
+            elif spec.start_cmd:
                 self._log(build, f"Start command: {spec.start_cmd}", "finalize")
                 await envd.start(spec.start_cmd, user=state.user, cwd=state.workdir,
                                  envs=state.env)
-            if spec.ready_cmd:
+            if spec.ready_cmd and not (hit is not None and hit.exact):
                 await self._wait_ready(build, envd, state, spec.ready_cmd)
             self._log(build, "Snapshotting the build sandbox", "finalize")
             snap = await self.manager.snapshot(sandbox.sandbox_id, None)
             try:
-                await self._install(tpl, snap, base, state, build)
+                installed = await self._install(tpl, replace(
+                    snap, start_cmd=spec.start_cmd, ready_cmd=spec.ready_cmd), base, state,
+                    build)
+                self.cache.put(installed, keys, final, state, bool(spec.start_cmd))
             except BaseException:
                 if self.manager.store.find_template(snap.template_id) is not None:
                     with contextlib.suppress(AenvError):
@@ -383,6 +520,30 @@ class TemplateBuilds:
             await envd.aclose()
             with contextlib.suppress(AenvError):
                 await self.manager.kill(sandbox.sandbox_id)
+
+    async def start_again(self, rec: SandboxRecord) -> None:
+        """A sandbox of a built template booted afresh (a resume without memory): its start
+        command runs again, and its ready command is polled (`COLD_READY_TIMEOUT_S` at most)."""
+        tpl = self.manager.store.find_template(rec.template_id)
+        if tpl is None or not tpl.start_cmd:
+            return
+        envd = SandboxEnvd(self.manager.open_port, rec.sandbox_id, rec.envd_access_token,
+                           self.config.sandbox.envd_port)
+        try:
+            await envd.start(tpl.start_cmd, user=tpl.default_user, cwd=tpl.default_workdir,
+                             envs=tpl.env_vars)
+            if not tpl.ready_cmd:
+                return
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + COLD_READY_TIMEOUT_S
+            while await envd.run(tpl.ready_cmd, user=tpl.default_user, cwd=tpl.default_workdir,
+                                 envs=tpl.env_vars, timeout_s=READY_CHECK_TIMEOUT_S) != 0:
+                if loop.time() >= deadline:
+                    raise AenvError(ErrorCode.TIMEOUT, "the ready command did not succeed "
+                                    f"within {COLD_READY_TIMEOUT_S:.0f}s: {tpl.ready_cmd}")
+                await asyncio.sleep(READY_INTERVAL_S)
+        finally:
+            await envd.aclose()
 
     async def _wait_ready(self, build: Build, envd: SandboxEnvd, state: _State,
                           ready_cmd: str) -> None:
@@ -503,14 +664,17 @@ class TemplateBuilds:
         self._log(build, f"copied {count} entries to {dest}", name)
 
     async def _install(self, tpl: BuildTemplate, snap: TemplateRecord, base: TemplateRecord,
-                       state: _State, build: Build) -> None:
+                       state: _State, build: Build) -> TemplateRecord:
         """Store the snapshot as the template (replacing a previous build of it)."""
         store = self.manager.store
+        now = utcnow()
+        old = store.find_template(tpl.template_id)
         final = replace(snap, template_id=tpl.template_id, names=list(tpl.names),
                         default_user=state.user, default_workdir=state.workdir,
                         env_vars={**base.env_vars, **state.env}, source_sandbox=None,
-                        created_at=utcnow())
-        old = store.find_template(tpl.template_id)
+                        created_at=now, public=old.public if old is not None else False,
+                        # the build's tags: those of the build it replaces go with it
+                        tags={t: now.isoformat() for t in tpl.tags if t != "default"})
         # No await between these: nobody sees the template missing or both at once.
         store.delete_template(snap.template_id)
         retired = None
@@ -524,6 +688,7 @@ class TemplateBuilds:
             await self.manager.delete_template(retired.template_id)
         self._log(build, f"Template {tpl.template_id} stored (snapshot of the build sandbox, "
                   f"{(snap.size_bytes or 0) / 1e6:.1f} MB)", "finalize")
+        return final
 
 
 def _pairs(args: list[str], allow_bare: bool) -> dict[str, str] | None:

@@ -63,10 +63,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     print(f"aenv: serving on http://{config.server.listen} (home {config.home})", file=sys.stderr)
     print(f"aenv: API key: {server.api_key}", file=sys.stderr)
+    app = server.app
+    if args.cluster:  # a cluster node: the agent registers it and keeps its roster in etcd
+        from aenv.cluster.agent import attach
+
+        try:
+            app = attach(app, server.manager, server.api_key, args.cluster,
+                         args.advertise, config.server.listen, args.node_id)
+        except AenvError as exc:
+            print(f"aenv: {exc.message}", file=sys.stderr)
+            return 2
     # http: uvicorn's httptools protocol that tunnels upgrades to sandbox ports (WebSocket
     # included, so no WebSocket implementation of uvicorn's own); no `server: uvicorn`
     # header, which proxied answers would carry next to the sandbox server's own.
-    uvicorn.run(server.app, host=host, port=int(port), loop="uvloop",
+    uvicorn.run(app, host=host, port=int(port), loop="uvloop",
                 http=TunnelingHttpToolsProtocol, ws="none", server_header=False,
                 log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
     return 0
@@ -233,6 +243,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", help="HOST:PORT (default 127.0.0.1:8000)")
     p.add_argument("--home", help="state directory (default $AENV_HOME or /var/lib/aenv)")
     p.add_argument("--config", help="TOML config file (default $AENV_HOME/config.toml)")
+    p.add_argument("--cluster", metavar="ETCD_URL",
+                   help="join the cluster whose etcd is here (comma-separated endpoints)")
+    p.add_argument("--advertise", metavar="URL",
+                   help="with --cluster: the URL gateways reach this node at (default: --listen)")
+    p.add_argument("--node-id", help="with --cluster: this node's id (default: kept in the home)")
+
+    from aenv.cluster.commands import add_parsers
+
+    add_parsers(sub, common)
 
     p = sub.add_parser("auth", parents=[common], help="save the server URL and API key for later commands")
     p.add_argument("api_key", nargs="?", help="the key printed by `aenv serve` (else read stdin)")
@@ -338,10 +357,17 @@ CLIENT_VERBS: dict[str, Callable[[argparse.Namespace, Client], int]] = {
 }
 
 
+CLUSTER_VERBS = ("gateway", "scheduler", "cluster", "node")  # aenv.cluster.commands
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.verb == "serve":
         return cmd_serve(args)
+    if args.verb in CLUSTER_VERBS:
+        from aenv.cluster.commands import run_verb
+
+        return run_verb(args)
     client = Client.from_env(args.url, args.api_key)
     try:
         return CLIENT_VERBS[args.verb](args, client)

@@ -32,6 +32,7 @@ CLIENT_STREAM = 2
 
 MAX_MESSAGE = 32 << 20
 DEFAULT_KEEPALIVE = 90.0  # envd's default when the client does not ask for an interval
+MAX_KEEPALIVE = 24 * 3600
 STREAM_CONTENT_TYPE = "application/connect+json"
 
 
@@ -58,7 +59,8 @@ def _parse_timeout(value: str) -> float | None:
     value = value.strip()
     if not value:
         return None
-    if not value.isdigit() or len(value) > 10:
+    # isascii: str.isdigit() is also true of "²" (a latin-1 header byte), which int() refuses.
+    if not (value.isascii() and value.isdigit()) or len(value) > 10:
         raise RpcError("invalid_argument", f"invalid Connect-Timeout-Ms: {value!r}")
     return int(value) / 1000.0
 
@@ -68,7 +70,10 @@ def _parse_keepalive(value: str) -> float:
         seconds = int(value)
     except ValueError:
         return DEFAULT_KEEPALIVE
-    return float(seconds) if seconds > 0 else DEFAULT_KEEPALIVE
+    if seconds <= 0:
+        return DEFAULT_KEEPALIVE
+    # Bounded before float(): 400 digits would overflow it; a day apart is no keepalive anyway.
+    return float(min(seconds, MAX_KEEPALIVE))
 
 
 def basic_auth_username(header: str) -> str | None:
@@ -78,7 +83,7 @@ def basic_auth_username(header: str) -> str | None:
         return None
     try:
         decoded = binascii.a2b_base64(token.strip()).decode("utf-8")
-    except (binascii.Error, UnicodeDecodeError):
+    except ValueError:  # binascii.Error, UnicodeDecodeError, and a non-ASCII token
         raise RpcError("unauthenticated", "invalid basic auth header") from None
     return decoded.partition(":")[0]
 
@@ -120,6 +125,9 @@ def decode_message(payload: bytes) -> Msg:
         value = json.loads(payload)
     except (ValueError, UnicodeDecodeError):
         raise RpcError("invalid_argument", "request message is not valid JSON") from None
+    except RecursionError:
+        # `[[[[...` deeper than the interpreter's stack: bad input, not a crash.
+        raise RpcError("invalid_argument", "request message is nested too deeply") from None
     if not isinstance(value, dict):
         raise RpcError("invalid_argument", "request message must be a JSON object")
     return value
@@ -141,7 +149,9 @@ async def read_envelope(body: Body) -> Msg | None:
             raise RpcError("invalid_argument", "request stream ended inside a message")
         payload = data
     if flags & 0x01:
-        raise RpcError("internal", "compressed messages are not supported")
+        # No compression was negotiated (envd accepts identity only), so the flag is the
+        # client's protocol error: connect-go says `internal` here, but it is bad input.
+        raise RpcError("invalid_argument", "compressed messages are not supported")
     if flags & 0x02:
         return None
     return decode_message(payload)

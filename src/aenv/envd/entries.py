@@ -51,6 +51,14 @@ def go_base(path: str) -> str:
 
 
 def resolve_path(path: str, user: User, default_workdir: str | None) -> str:
+    # What no file name can hold (a NUL; a lone surrogate from JSON, which has no bytes) is the
+    # client's error here, before an os call would raise ValueError/UnicodeEncodeError on it.
+    if "\x00" in path:
+        raise invalid(f"invalid path {path!r}: file names cannot contain NUL bytes")
+    try:
+        os.fsencode(path)
+    except UnicodeEncodeError:
+        raise invalid(f"invalid path {path!r}: not representable as a file name") from None
     if path == "" and default_workdir:
         path = default_workdir
     if path.startswith("~"):
@@ -84,7 +92,7 @@ def ensure_dirs(path: str, uid: int, gid: int) -> None:
         except OSError as e:
             raise os_error(e, "failed to create directory: stat", current) from None
         if not stat.S_ISDIR(st.st_mode):
-            raise internal(f"failed to create directory: path is a file: {current}")
+            raise RpcError("failed_precondition", f"failed to create directory: path is a file: {current}")
         break
     for directory in reversed(missing):
         try:
@@ -314,6 +322,13 @@ class Entries:
         return entry
 
 
+# Errors of the path a client asked about (a name longer than NAME_MAX, a symlink loop, a
+# file where a directory should be, ...): its mistake, a 400, never "internal".
+_INVALID_PATH = frozenset({errno.ENAMETOOLONG, errno.ELOOP, errno.EINVAL})
+_PRECONDITION = frozenset({errno.ENOTDIR, errno.EISDIR, errno.ENOTEMPTY, errno.EXDEV, errno.EROFS,
+                           errno.EBUSY, errno.EMLINK, errno.ETXTBSY})
+
+
 def os_error(error: OSError, action: str, path: str) -> RpcError:
     """Map an OSError to the Connect code a client can act on."""
     message = f"{action} {path}: {error.strerror or error}"
@@ -323,6 +338,19 @@ def os_error(error: OSError, action: str, path: str) -> RpcError:
         return RpcError("permission_denied", message)
     if isinstance(error, FileExistsError):
         return RpcError("already_exists", message)
-    if error.errno == errno.ENOSPC:
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
         return RpcError("resource_exhausted", message)
+    if error.errno in _INVALID_PATH:
+        return invalid(message)
+    if error.errno in _PRECONDITION:
+        return RpcError("failed_precondition", message)
     return internal(message)
+
+
+def client_status(error: OSError) -> int | None:
+    """The 4xx a plain-HTTP endpoint answers for `error`, or None when it is envd's own."""
+    if isinstance(error, PermissionError):
+        return 403
+    if error.errno in _INVALID_PATH or error.errno in _PRECONDITION:
+        return 400
+    return None

@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, BinaryIO
 
 from aenv.envd.auth import TOKEN_HEADER, check_files_access
-from aenv.envd.entries import chown, ensure_dirs, go_base, resolve_path, validate_metadata
+from aenv.envd.entries import chown, client_status, ensure_dirs, go_base, resolve_path, validate_metadata
 from aenv.envd.errors import RpcError
 from aenv.envd.http import Body, ClientGone, Request, Response
 from aenv.envd.users import User
@@ -185,8 +185,10 @@ def _open_binary(path: str) -> BinaryIO:
 
 
 def _denied(status: int, error: OSError) -> int:
-    """403 for what the kernel refused the user (EACCES, EPERM), else `status`."""
-    return 403 if isinstance(error, PermissionError) else status
+    """403 for what the kernel refused the user (EACCES, EPERM), 400 for a path the client
+    got wrong (a name too long, a symlink loop, ...), else `status`."""
+    client = client_status(error)
+    return status if client is None else client
 
 
 class Source:
@@ -473,7 +475,11 @@ class FilesApi:
         elif media.startswith("multipart/"):
             boundary = params.get("boundary")
             if not boundary:
-                raise FileError(500, "error parsing multipart form: no multipart boundary param in Content-Type")
+                raise FileError(400, "error parsing multipart form: no multipart boundary param in Content-Type")
+            # RFC 2046 allows 70 characters of printable ASCII; a little more is tolerated, but
+            # no byte the delimiter line could not carry (e.g. from `boundary*=utf-8''%E2%82%AC`).
+            if len(boundary) > 200 or not (boundary.isascii() and boundary.isprintable()):
+                raise FileError(400, "error parsing multipart form: invalid multipart boundary")
             form = Multipart(source, boundary)
             seen: list[str] = []
             while (headers := await form.next_part()) is not None:
@@ -538,6 +544,8 @@ class FilesApi:
                 # On the descriptor the user opened for writing, whatever the path names now.
                 self.app.entries.metadata.replace(fd, metadata)
                 return self.app.entries.metadata.read(fd)
+            except ClientGone:  # an OSError too, but the body's end, not the disk's
+                raise
             except OSError as e:
                 raise self._disk_error(e, "error writing file") from None
         finally:
@@ -549,7 +557,7 @@ class FilesApi:
         try:
             ensure_dirs(os.path.dirname(path), user.uid, user.gid)
         except RpcError as e:
-            raise FileError(e.http_status if e.code == "permission_denied" else 500,
+            raise FileError(min(500, e.http_status),
                             f"error ensuring directories: {e.message}") from None
         try:
             if stat.S_ISDIR(os.stat(path).st_mode):

@@ -93,10 +93,8 @@ class FilesystemService:
                 os.rename(source, destination)
             except FileNotFoundError:
                 raise not_found(f"source file not found: rename {source} {destination}: no such file or directory") from None
-            except PermissionError as e:
-                raise RpcError("permission_denied", f"error renaming: rename {source} {destination}: {e.strerror}") from None
-            except OSError as e:
-                raise internal(f"error renaming: rename {source} {destination}: {e.strerror}") from None
+            except OSError as e:  # permission_denied, failed_precondition (ENOTEMPTY, EXDEV), ...
+                raise os_error(e, "error renaming: rename", f"{source} {destination}") from None
             return {"entry": self.app.entries.info(destination)}
 
     async def list_dir(self, call: Call, message: Msg) -> Msg:
@@ -153,12 +151,9 @@ class FilesystemService:
         user, path = self._path(call, message)
         try:
             await self.app.creds.steps(user, _remove_all(path, [0]))
-        except PermissionError as e:
-            raise RpcError(
-                "permission_denied", f"error removing file or directory: {e.strerror}: {e.filename or path}"
-            ) from None
-        except OSError as e:
-            raise internal(f"error removing file or directory: {e.strerror}: {e.filename or path}") from None
+        except OSError as e:  # permission_denied, invalid_argument (a name too long), ...
+            code = os_error(e, "", path).code
+            raise RpcError(code, f"error removing file or directory: {e.strerror}: {e.filename or path}") from None
         return {}
 
     # -- watching -----------------------------------------------------------------------

@@ -3,7 +3,9 @@
 Owns: parsing requests (case-insensitive headers, form-urlencoded queries, Content-Length
 and chunked bodies decoded incrementally, `Expect: 100-continue`), framing responses
 (Content-Length, chunked streaming with one flush per write, bodiless 204), keep-alive
-with many concurrent long-lived connections, and telling a handler when its client hung up.
+with many concurrent long-lived connections (an answer that ends its connection says
+`Connection: close`: an early answer first skips the unread request body, up to 1 MiB), and
+telling a handler when its client hung up.
 
 Why a Protocol rather than asyncio streams: a streaming handler (a command's output, a
 directory watch) must learn that its client went away while it is only writing. A
@@ -301,7 +303,7 @@ class Connection(asyncio.Protocol):
                 try:
                     request = _parse_head(self, head)
                 except BadRequest as e:
-                    await self._reject(e)
+                    await self._reject(e, head)
                     return
                 response = Response(self, request)
                 try:
@@ -313,8 +315,10 @@ class Connection(asyncio.Protocol):
                     if response.started:
                         self.abort()
                         return
-                    await response.send_error(e.status, str(e))
+                    # Set before the answer, so it says `Connection: close`: a client must not
+                    # send its next request on a connection about to be closed.
                     response.close_after = True
+                    await response.send_error(e.status, str(e))
                 except Exception as e:  # noqa: BLE001 - the last line of defence
                     log_exception(f"{request.method} {request.path}", e)
                     if response.started:
@@ -346,19 +350,27 @@ class Connection(asyncio.Protocol):
             if self.transport is not None and not self.transport.is_closing():
                 self.transport.close()
 
-    async def _reject(self, error: BadRequest) -> None:
+    async def _reject(self, error: BadRequest, head: bytes = b"") -> None:
         body = json.dumps({"code": error.status, "message": str(error)}).encode()
         reason = REASONS.get(error.status, "Error")
+        # An answer to HEAD has no body (its client would read one as the next answer).
+        head_request = (head or bytes(self._buf[:5])).startswith(b"HEAD ")
         try:
             self.write(
                 f"HTTP/1.1 {error.status} {reason}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+                + (b"" if head_request else body)
             )
         except ClientGone:
             pass
 
 
 def _parse_head(conn: Connection, head: bytes) -> Request:
+    # A bare CR or LF, or a NUL, inside a line is no line ending here and no field content
+    # anywhere (RFC 9110 5.5): refused, so that no header hides inside another one's value.
+    bare = head.replace(b"\r\n", b"")
+    if b"\n" in bare or b"\r" in bare or b"\x00" in head:
+        raise BadRequest("malformed request head: bare CR, LF or NUL")
     lines = head.split(b"\r\n")
     parts = lines[0].decode("latin-1").split(" ")
     if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
@@ -554,6 +566,15 @@ class Response:
             lines.append("Transfer-Encoding: chunked")
         else:
             lines.append(f"Content-Length: {length}")
+        # An answer before the whole request body was read (an early error), as Go's
+        # net/http does it: the rest is skipped now, up to a limit, so that the answer can
+        # say whether the connection goes on. A body the client holds back for
+        # `100 Continue`, or more than the limit, is never read: the connection ends with
+        # this answer (Connection._serve), which then says `Connection: close`.
+        request_body = self._request.body
+        if not request_body.done and (request_body.awaiting_continue
+                                      or not await request_body.discard()):
+            self.close_after = True
         if self.close_after or not self._request.keep_alive:
             lines.append("Connection: close")
         self.started = True

@@ -12,7 +12,9 @@ import traceback
 
 
 def log(message: str) -> None:
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
+    # UTC with milliseconds: the host reads these lines as the sandbox's log (GET .../logs).
+    now = time.time()
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now * 1000) % 1000:03d}Z"
     try:
         sys.stderr.write(f"{stamp} envd: {message}\n")
         sys.stderr.flush()

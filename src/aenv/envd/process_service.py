@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from aenv.envd.connect import Call, Method, ServerStream, client_stream, server_stream, unary
 from aenv.envd.entries import resolve_path
 from aenv.envd.errors import RpcError, invalid, not_found
+from aenv.envd.log import log
 from aenv.envd.process import Process, SpawnError, Subscriber
 from aenv.envd.proto import (
     Msg,
@@ -98,6 +99,16 @@ async def follow(process: Process, stream: ServerStream, keepalive: float) -> No
         subscriber.close()
 
 
+def _encodable(*texts: str) -> bool:
+    """Whether each text has bytes for execve (a lone surrogate from JSON has none)."""
+    try:
+        for text in texts:
+            os.fsencode(text)
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _selector(message: Msg) -> tuple[int | None, str | None]:
     selector = get_msg(message, "process")
     if has(selector, "pid"):
@@ -150,10 +161,12 @@ class ProcessService:
         if not cmd:
             raise invalid("process cmd must not be empty")
         for key, value in envs.items():
-            if not key or "=" in key or "\0" in key or "\0" in value:
+            if not key or "=" in key or "\0" in key or "\0" in value or not _encodable(key, value):
                 raise invalid(f"invalid environment variable {key!r}")
         if any("\0" in arg for arg in (cmd, *args)):
             raise invalid("arguments must not contain NUL bytes")
+        if not _encodable(cmd, *args):
+            raise invalid("arguments must be representable as bytes (no lone surrogates)")
 
         workdir = resolve_path(cwd or "", user, settings.default_workdir)
         if not os.path.exists(workdir):
@@ -184,6 +197,9 @@ class ProcessService:
             raise invalid(f"error starting process '{' '.join([cmd, *args])[:200]}': {e}") from None
         except OSError as e:
             raise RpcError("internal", f"error starting process: {e.strerror}") from None
+        # One line per process: the sandbox's log (GET /sandboxes/{id}/logs on the host).
+        log(f"process {process.pid} started as {user.name}"
+            f"{f' (tag {tag})' if tag else ''}: {' '.join([cmd, *args])[:200]}")
         await follow(process, stream, call.keepalive)
 
     async def connect(self, call: Call, message: Msg, stream: ServerStream) -> None:

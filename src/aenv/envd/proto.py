@@ -145,7 +145,7 @@ def decode_b64(text: str, name: str = "bytes") -> bytes:
     data += "=" * (-len(data) % 4)
     try:
         return binascii.a2b_base64(data)
-    except binascii.Error:
+    except ValueError:  # binascii.Error, and ValueError for text that is not ASCII
         raise invalid(f"field {name}: invalid base64") from None
 
 

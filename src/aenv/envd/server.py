@@ -109,7 +109,7 @@ class App:
         raw = await request.body.read_all(1 << 20)
         try:
             data = json.loads(raw) if raw.strip() else {}
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the stack
             data = None
         if not isinstance(data, dict):
             await response.send_error(400, "failed to decode request")

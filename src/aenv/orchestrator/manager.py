@@ -15,6 +15,7 @@ import asyncio
 import base64
 import collections
 import contextlib
+import functools
 import json
 import logging
 import shutil
@@ -24,10 +25,20 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from aenv.config import Config
 from aenv.errors import AenvError, ErrorCode, invalid, not_found
+from aenv.faults import crash_point
+from aenv.orchestrator import attachments
+from aenv.orchestrator.events import (
+    ENVD_LOG,
+    LogEntry,
+    LogQuery,
+    SandboxEvents,
+    parse_envd_log,
+    read_tail,
+)
 from aenv.orchestrator.ids import new_access_token, new_client_id, new_sandbox_id
 from aenv.orchestrator.models import (
     CreateRequest,
@@ -38,19 +49,24 @@ from aenv.orchestrator.models import (
 )
 from aenv.orchestrator.paused import PausedStateKeeper
 from aenv.orchestrator.pushes import PendingPush, SnapshotPusher
+from aenv.orchestrator.recovery import Recovery, RecoveryReport
 from aenv.orchestrator.store import Store
 from aenv.runtime.base import (
+    EgressDriver,
+    FilesystemPauseDriver,
     LayerSealingDriver,
     LivenessDriver,
     PausableDriver,
     PausedStateDriver,
     ReadyShape,
+    RecoverableDriver,
     ResourceUsage,
     RuntimeDriver,
     RuntimeHandle,
     SandboxSpec,
     SnapshotDriver,
 )
+from aenv.runtime.egress import EgressPolicy
 from aenv.storage.layout import Layout
 from aenv.storage.repository import LocalCache
 
@@ -64,6 +80,9 @@ RUNTIME_METADATA_KEY = "aenv.runtime"  # metadata naming a sandbox's runtime (SD
 DEAD_REASONS_KEPT = 1000  # why recently dead sandboxes are gone, for the 404s about them
 ENVD_CHECKS_AT_ONCE = 8  # envd health checks in flight (each one a connection into a sandbox)
 ENVD_CHECK_TIMEOUT_S = 5.0
+# What no record owns (a sandbox a crashed create left, a stale checkpoint image, a network
+# slot nobody uses) is looked for this often; and always at start.
+SWEEP_ORPHANS_INTERVAL_S = 30.0
 
 
 def utcnow() -> datetime:
@@ -84,8 +103,12 @@ class SandboxManager:
                  ensure_templates: Callable[[], Awaitable[None]] | None = None,
                  snapshots: LocalCache | None = None,
                  load_driver: Callable[[str], RuntimeDriver] | None = None,
-                 images: ImageLayers | None = None) -> None:
+                 images: ImageLayers | None = None,
+                 events: SandboxEvents | None = None) -> None:
         self.config = config
+        # Every sandbox's log of lifecycle events (GET /sandboxes/{id}/logs); in memory only
+        # when the caller keeps none.
+        self.events = events if events is not None else SandboxEvents(":memory:")
         self.images = images  # None: layers are never evicted, nothing to fetch again
         self.layout = layout
         self.store = store
@@ -97,6 +120,9 @@ class SandboxManager:
         # Built-in templates made on first use (`code-interpreter-v1`): called with the name a
         # create asks for, before it is looked up; returns at once for names it does not own.
         self.template_provider: Callable[[str], Awaitable[None]] | None = None
+        # Called after a sandbox booted afresh on its files (a resume without memory): runs
+        # its template's start command again (aenv.builds). Its failure is logged, not raised.
+        self.on_cold_boot: Callable[[SandboxRecord], Awaitable[None]] | None = None
         self._records: dict[str, SandboxRecord] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._sweeper: asyncio.Task[None] | None = None
@@ -106,10 +132,13 @@ class SandboxManager:
         # Snapshots live in the durable repository; `snapshots` is the bounded local cache in
         # front of it (None: snapshots stay local only, in layout.snapshots_dir).
         self.snapshots = snapshots
-        self._pusher = (SnapshotPusher(snapshots, self._snapshot_pushed)
+        self._pusher = (SnapshotPusher(snapshots, self._snapshot_pushed,
+                                       config.snapshot.push_retry_s)
                         if snapshots is not None else None)
         # Paused sandboxes' state goes to the same repository (in the background).
-        self._paused = PausedStateKeeper(snapshots.repository) if snapshots is not None else None
+        self._paused = (PausedStateKeeper(snapshots.repository,
+                                          config.snapshot.paused_cache_mb << 20)
+                        if snapshots is not None else None)
         # Sealed layers being made or used by a create that is not recorded yet: the layer
         # collector must not take them (layer id -> number of users).
         self._layers_in_flight: dict[str, int] = {}
@@ -121,6 +150,12 @@ class SandboxManager:
         # Runtime name -> its driver if it is a LivenessDriver: asked every second per
         # sandbox, and a Protocol isinstance() costs ~10 us.
         self._liveness_drivers: dict[str, LivenessDriver | None] = {}
+        self._recovery = Recovery(store, layout, self.runtime)
+        self.last_recovery: RecoveryReport | None = None  # what the start-up recovery did
+        # Sandbox ids of creates in flight (their record says creating): not orphans.
+        self._creating_ids: set[str] = set()
+        # E2B volumes (`orchestrator/volumes.py`), set by the server; None: not offered.
+        self.volumes: attachments.Volumes | None = None
 
     # ---------------------------------------------------------------- start / stop
     async def start(self) -> None:
@@ -129,11 +164,19 @@ class SandboxManager:
             await self._ensure_templates()
         await self.driver.start()
         self._configure_ready_pool()
+        sealing = [d for d in self._drivers.values() if isinstance(d, LayerSealingDriver)]
+        report = await self._recovery.settle_records(
+            sealing[0].remove_layer if sealing else shutil.rmtree)
         for rec in list(self.store.iter_sandboxes()):
             await self._reattach(rec)
+        report.orphans = await self._sweep_orphans()
+        log.info("recovery at start: %s", report.summary())
+        self.last_recovery = report
         await self._collect_layers()
         self._resume_pushes()
         self._sweeper = asyncio.create_task(self._sweep_forever(), name="aenv-ttl-sweeper")
+        self._monitors.append(asyncio.create_task(self._sweep_orphans_forever(),
+                                                  name="aenv-orphan-sweeper"))
         if self.config.sandbox.liveness_interval_ms > 0:
             self._monitors.append(asyncio.create_task(self._liveness_forever(),
                                                       name="aenv-liveness"))
@@ -233,6 +276,11 @@ class SandboxManager:
 
     def find_template(self, id_or_name: str) -> TemplateRecord:
         tpl = self.store.find_template(id_or_name)
+        if tpl is None and ":" in id_or_name:  # name:tag (E2B's tags; `default` always)
+            name, _, tag = id_or_name.rpartition(":")
+            tagged = self.store.find_template(name)
+            if tagged is not None and (tag == "default" or tag in tagged.tags):
+                tpl = tagged
         if tpl is None:
             raise not_found(f"template '{id_or_name}' not found")
         return tpl
@@ -289,6 +337,7 @@ class SandboxManager:
             raise AenvError(ErrorCode.RESOURCE_EXHAUSTED,
                             f"node is at its limit of {self.config.sandbox.max_sandboxes} sandboxes")
         now = utcnow()
+        t_start = time.monotonic()
         rec = SandboxRecord(
             sandbox_id=new_sandbox_id(), template_id=tpl.template_id, client_id=new_client_id(),
             state=SandboxState.CREATING, started_at=now,
@@ -297,13 +346,20 @@ class SandboxManager:
             envd_access_token=new_access_token(), metadata=dict(req.metadata),
             env_vars={**tpl.env_vars, **req.env_vars}, alias=tpl.names[0] if tpl.names else None,
             auto_pause=req.auto_pause, auto_resume=req.auto_resume,
+            auto_pause_memory=req.auto_pause_memory,
             allow_internet_access=req.allow_internet_access, runtime=driver.name,
             layers=list(tpl.layers),
         )
         if tpl.allow_internet_access is not None:
             rec.allow_internet_access = tpl.allow_internet_access  # a copy keeps its network
+        self._attach(rec, req, tpl, driver)
         spec = self._spec(rec, tpl)
+        # The intent, before anything is made: a crash from here on is rolled back at start.
+        rec.handle = {"workspace": str(spec.workspace)}
+        self.store.put_sandbox(rec)
+        crash_point("create:intent")
         self._creating += 1
+        self._creating_ids.add(rec.sandbox_id)
         try:
             with self._layers_held(tpl.layers):
                 if self.images is not None:
@@ -315,14 +371,30 @@ class SandboxManager:
                                                                          tpl.image_token)
                 else:
                     handle = await driver.create(spec)
+        except BaseException as exc:
+            self.store.delete_sandbox(rec.sandbox_id)  # the driver cleaned up after itself
+            self.events.record(rec.sandbox_id, "create_failed",
+                               f"create from template {tpl.template_id} failed: "
+                               f"{getattr(exc, 'message', type(exc).__name__)}", "error",
+                               op="restore" if tpl.image is not None else "create",
+                               error=getattr(getattr(exc, "code", None), "value", "internal"))
+            raise
         finally:
             self._creating -= 1
+            self._creating_ids.discard(rec.sandbox_id)
+        crash_point("create:made")
         rec.handle = handle.data
         rec.state = SandboxState.RUNNING
         # The TTL counts from when the sandbox is usable, not from when it was asked for.
         rec.end_at = utcnow() + timedelta(seconds=req.timeout_s)
         self._records[rec.sandbox_id] = rec
         self.store.put_sandbox(rec)
+        op = "restore" if tpl.image is not None else "create"
+        self.events.record(rec.sandbox_id, "created",
+                           f"sandbox created from {'snapshot' if tpl.image else 'template'} "
+                           f"{tpl.template_id} on the {rec.runtime} runtime", op=op,
+                           seconds=f"{time.monotonic() - t_start:.6f}",
+                           templateID=tpl.template_id)
         return rec
 
     def _spec(self, rec: SandboxRecord, tpl: TemplateRecord) -> SandboxSpec:
@@ -336,7 +408,74 @@ class SandboxManager:
             default_workdir=tpl.default_workdir,
             allow_internet_access=rec.allow_internet_access,
             envd_port=self.config.sandbox.envd_port, disk_size_mb=rec.disk_size_mb,
+            egress=attachments.egress_of(rec.network) if rec.allow_internet_access else None,
+            volumes=attachments.volume_specs(self.volumes, rec.volume_mounts),
         )
+
+    def _attach(self, rec: SandboxRecord, req: CreateRequest, tpl: TemplateRecord,
+                driver: RuntimeDriver) -> None:
+        """A create's network config, traffic token and volume mounts, into `rec`. A copy of
+        a snapshot keeps the snapshot's unless the create names its own; its image needs the
+        snapshot's volumes, so those must stay mounted (more may be added)."""
+        if req.network is not None or tpl.network is None:
+            network, interface = attachments.create_network(req.network,
+                                                            req.allow_internet_access)
+            if tpl.allow_internet_access is None:
+                rec.allow_internet_access = interface
+            elif rec.allow_internet_access and not interface:
+                # The snapshot's image has a network interface: deny-all on it instead.
+                network = attachments.deny_all(network)
+        else:
+            network = dict(tpl.network)
+            if not req.allow_internet_access and rec.allow_internet_access:
+                network = attachments.deny_all(network)  # its allowOut still wins, as in E2B
+        rec.network = network
+        if network.get("allowPublicTraffic") is False:
+            rec.traffic_access_token = new_access_token()
+        mounts = attachments.resolve_mounts(self.volumes, req.volume_mounts)
+        missing = [m for m in tpl.volume_mounts if m not in mounts]
+        if missing and req.volume_mounts:
+            raise invalid(f"snapshot {tpl.template_id} was taken with volume "
+                          f"{missing[0]['name']} at {missing[0]['path']}: its copies mount it "
+                          "there too")
+        rec.volume_mounts = [*missing, *mounts]
+        if (rec.allow_internet_access and attachments.egress_of(network) is not None
+                and not isinstance(driver, EgressDriver)):
+            raise AenvError(ErrorCode.NOT_SUPPORTED,
+                            f"egress rules are not supported by the {driver.name} runtime")
+        if rec.volume_mounts and not getattr(driver, "supports_volumes", False):
+            raise AenvError(ErrorCode.NOT_SUPPORTED,
+                            f"volumes are not supported by the {driver.name} runtime")
+
+    async def update_network(self, sandbox_id: str, update: dict[str, Any]) -> SandboxRecord:
+        """`PUT /sandboxes/{id}/network`: new egress rules, live on a running sandbox (one
+        atomic change), on record for a paused one (its resume applies them)."""
+        async with self._lock(sandbox_id):
+            rec = self.get(sandbox_id)
+            if not rec.allow_internet_access:
+                raise AenvError(ErrorCode.CONFLICT,
+                                f"sandbox {sandbox_id} was created without internet access "
+                                "(it has no network interface): its egress cannot change")
+            network = attachments.updated_network(rec.network, update)
+            if rec.state is SandboxState.PAUSED:
+                return self._commit(replace(rec, network=network))
+            if rec.state is not SandboxState.RUNNING:
+                raise AenvError(ErrorCode.CONFLICT, f"sandbox {sandbox_id} is {rec.state.value}")
+            driver = self._driver(rec)
+            if not isinstance(driver, EgressDriver):
+                raise AenvError(ErrorCode.NOT_SUPPORTED,
+                                f"egress rules are not supported by the {rec.runtime} runtime")
+            policy = attachments.egress_of(network) or EgressPolicy()
+            handle = await driver.set_egress(self._handle(rec), policy)
+            return self._commit(replace(rec, network=network, handle=handle.data))
+
+    def volume_users(self, volume_id: str) -> list[str]:
+        """Sandboxes (any state) and snapshots that mount volume `volume_id`."""
+        users = [r.sandbox_id for r in self.store.iter_sandboxes()
+                 if any(m.get("volumeID") == volume_id for m in r.volume_mounts)]
+        users += [f"snapshot {t.template_id}" for t in self.store.iter_templates()
+                  if any(m.get("volumeID") == volume_id for m in t.volume_mounts)]
+        return users
 
     def on_stop_serving(self, listener: Callable[[str], None]) -> None:
         """Call `listener(sandbox_id)` whenever a sandbox stops serving traffic (paused or
@@ -370,13 +509,16 @@ class SandboxManager:
         if (keeping := self._keeps_paused_state(driver)) is not None:
             keeping[0].forget_later(keeping[1], self._handle(rec))
 
-    async def kill(self, sandbox_id: str) -> None:
+    async def kill(self, sandbox_id: str, reason: str = "killed by request") -> None:
         async with self._lock(sandbox_id):
             rec = self.get(sandbox_id)
             self._commit(replace(rec, state=SandboxState.KILLING))
             self._stopped_serving(sandbox_id)
             if rec.state is SandboxState.PAUSED:
                 self._forget_paused(rec, self._driver(rec))
+            await self._keep_envd_log(rec)
+            self.events.record(sandbox_id, "killed", f"sandbox killed ({reason})",
+                               reason=reason, state=rec.state.value)
             try:
                 await self._driver(rec).destroy(self._handle(rec))
             finally:
@@ -391,21 +533,60 @@ class SandboxManager:
             rec = self.get(sandbox_id)
             return self._commit(replace(rec, end_at=utcnow() + timedelta(seconds=timeout_s)))
 
-    async def connect(self, sandbox_id: str, timeout_s: int) -> tuple[SandboxRecord, bool]:
-        """E2B connect: extend a running sandbox's TTL (never shorten it); resume a paused one.
-        Returns the record and whether it was resumed."""
+    async def connect(self, sandbox_id: str, timeout_s: int, memory: bool = True
+                      ) -> tuple[SandboxRecord, bool]:
+        """E2B connect: extend a running sandbox's TTL (never shorten it); resume a paused one
+        (`memory=False`: boot it afresh on its files). Returns the record and whether it was
+        resumed."""
         self._check_timeout(timeout_s)
         async with self._lock(sandbox_id):
             rec = self.get(sandbox_id)
             if rec.state is SandboxState.PAUSED:
-                return await self._resume_locked(rec, timeout_s), True
+                return await self._resume_locked(rec, timeout_s, memory), True
             if rec.state is not SandboxState.RUNNING:
                 raise AenvError(ErrorCode.CONFLICT, f"sandbox {sandbox_id} is {rec.state.value}")
             await self._require_alive_locked(rec)
             end = max(rec.end_at, utcnow() + timedelta(seconds=timeout_s))
             return self._commit(replace(rec, end_at=end)), False
 
-    async def pause(self, sandbox_id: str) -> None:
+    async def adopt_paused(self, rec: SandboxRecord) -> SandboxRecord:
+        """Take over a sandbox another node paused (aenv.cluster: that node is dead or
+        draining). Its paused state is in the shared repository; the next connect resumes it
+        here, pulling that state back. `rec.handle` must name this node's paths. CONFLICT if
+        this node knows the id already; NOT_SUPPORTED if its runtime keeps no paused state
+        in the repository."""
+        if rec.state is not SandboxState.PAUSED:
+            raise AenvError(ErrorCode.CONFLICT, f"sandbox {rec.sandbox_id} is not paused")
+        async with self._lock(rec.sandbox_id):
+            if rec.sandbox_id in self._records:
+                raise AenvError(ErrorCode.CONFLICT,
+                                f"sandbox {rec.sandbox_id} is already on this node")
+            if self._keeps_paused_state(await self.runtime(rec.runtime)) is None:
+                raise AenvError(ErrorCode.NOT_SUPPORTED,
+                                f"the {rec.runtime} runtime cannot resume another node's sandbox")
+            self.find_template(rec.template_id)
+            self._dead.pop(rec.sandbox_id, None)
+            return self._commit(rec)
+
+    async def drop_moved(self, sandbox_id: str) -> None:
+        """Forget this node's copy of a paused sandbox that another node adopted meanwhile
+        (aenv.cluster): its local files go, its paused state in the repository stays (the
+        adopting node resumes from it)."""
+        async with self._lock(sandbox_id):
+            rec = self.get(sandbox_id)
+            if rec.state is not SandboxState.PAUSED:
+                raise AenvError(ErrorCode.CONFLICT, f"sandbox {sandbox_id} is {rec.state.value}")
+            try:
+                await self._driver(rec).destroy(self._handle(rec))
+            finally:
+                self._records.pop(sandbox_id, None)
+                self._locks.pop(sandbox_id, None)
+                self.store.delete_sandbox(sandbox_id)
+
+    async def pause(self, sandbox_id: str, memory: bool = True, reason: str = "by request"
+                    ) -> None:
+        """Pause a running sandbox: its processes and memory to disk (`memory`), or only its
+        writable layer (`memory=False`: the resume boots it afresh on those files)."""
         async with self._lock(sandbox_id):
             rec = self.get(sandbox_id)
             if rec.state is SandboxState.PAUSED:
@@ -416,16 +597,29 @@ class SandboxManager:
             if not isinstance(driver, PausableDriver):
                 raise AenvError(ErrorCode.NOT_SUPPORTED,
                                 f"pause is not supported by the {rec.runtime} runtime yet")
+            if not memory and not isinstance(driver, FilesystemPauseDriver):
+                raise AenvError(ErrorCode.NOT_SUPPORTED, "a filesystem-only pause is not "
+                                f"supported by the {rec.runtime} runtime")
             await self._require_alive_locked(rec)
             t0 = time.monotonic()
-            self._commit(replace(rec, state=SandboxState.PAUSING))
+            # The intent names the mode: a filesystem pause cut short after the kill is
+            # rolled forward (its files are all there is to keep), not lost.
+            self._commit(replace(rec, state=SandboxState.PAUSING, handle=(
+                rec.handle if memory else {**rec.handle, "pausing": "filesystem"})))
+            crash_point("pause:intent")
             self._stopped_serving(sandbox_id)
             t1 = time.monotonic()
             try:
-                handle = await driver.pause(self._handle(rec))
-            except AenvError:
+                if memory:
+                    handle = await driver.pause(self._handle(rec))
+                else:
+                    assert isinstance(driver, FilesystemPauseDriver)
+                    handle = await driver.pause_filesystem(self._handle(rec))
+            except AenvError as exc:
                 # A failed checkpoint leaves the sandbox running (CRIU resumes it), unless
                 # it failed because the sandbox had died.
+                self.events.record(sandbox_id, "pause_failed", f"pause failed: {exc.message}",
+                                   "error", op="pause", error=exc.code.value)
                 self._commit(rec)
                 await self._require_alive_locked(rec)
                 raise
@@ -433,21 +627,34 @@ class SandboxManager:
                 self._commit(rec)
                 raise
             t2 = time.monotonic()
+            crash_point("pause:dumped")
             paused = self._commit(replace(rec, state=SandboxState.PAUSED, handle=handle.data))
             log.info("sandbox %s paused in %.1f ms (runtime %.1f ms)", sandbox_id,
                      (time.monotonic() - t0) * 1e3, (t2 - t1) * 1e3)
+            mode = "full" if memory else "filesystem"
+            self.events.record(sandbox_id, "paused", f"sandbox paused ({mode}, {reason})",
+                               op="pause", mode=mode, reason=reason,
+                               seconds=f"{time.monotonic() - t0:.6f}")
             self._persist_paused(paused, driver)
 
-    async def _resume_locked(self, rec: SandboxRecord, timeout_s: int) -> SandboxRecord:
+    async def _resume_locked(self, rec: SandboxRecord, timeout_s: int, memory: bool = True
+                             ) -> SandboxRecord:
+        """Resume a paused sandbox: restore its memory, or (`memory=False`, or paused without
+        memory) boot it afresh on its writable layer: the start command runs again."""
         driver = self._driver(rec)
         if not isinstance(driver, PausableDriver):
             raise AenvError(ErrorCode.NOT_SUPPORTED,
                             f"resume is not supported by the {rec.runtime} runtime yet")
+        cold = not memory or pause_mode(rec) == "filesystem"
+        if cold and not isinstance(driver, FilesystemPauseDriver):
+            raise AenvError(ErrorCode.NOT_SUPPORTED, "a resume without memory is not "
+                            f"supported by the {rec.runtime} runtime")
         t0 = time.monotonic()
         tpl = self.find_template(rec.template_id)
         spec = self._spec(rec, tpl)
         layers = list(rec.layers or tpl.layers)
         self._commit(replace(rec, state=SandboxState.RESUMING))
+        crash_point("resume:intent")
         t1 = time.monotonic()
         try:
             with self._layers_held(layers):
@@ -458,17 +665,38 @@ class SandboxManager:
                 await self._ensure_sealed_layers(layers)
                 if (keeping := self._keeps_paused_state(driver)) is not None:
                     await keeping[0].ensure_local(keeping[1], self._handle(rec))
-                handle = await driver.resume(self._handle(rec), spec)
-        except BaseException:
+                if cold:
+                    assert isinstance(driver, FilesystemPauseDriver)
+                    handle = await driver.boot_paused(self._handle(rec), spec)
+                else:
+                    handle = await driver.resume(self._handle(rec), spec)
+        except BaseException as exc:
+            self.events.record(rec.sandbox_id, "resume_failed",
+                               f"resume failed: {getattr(exc, 'message', type(exc).__name__)}",
+                               "error", op="resume")
             self._commit(rec)  # still paused: its image is intact
             self._persist_paused(rec, driver)  # if its upload was cancelled for this resume
             raise
+        crash_point("resume:restored")
         self._forget_paused(rec, driver)
         t2 = time.monotonic()
+        paused = self._handle(rec)
         rec = self._commit(replace(rec, state=SandboxState.RUNNING, handle=handle.data,
                                    end_at=utcnow() + timedelta(seconds=timeout_s)))
+        if isinstance(driver, RecoverableDriver):
+            driver.release_paused(paused)  # the resume is on record: its image can go
         log.info("sandbox %s resumed in %.1f ms (runtime %.1f ms)", rec.sandbox_id,
                  (time.monotonic() - t0) * 1e3, (t2 - t1) * 1e3)
+        if cold and self.on_cold_boot is not None:
+            try:
+                await self.on_cold_boot(rec)
+            except (AenvError, OSError) as exc:
+                self.events.record(rec.sandbox_id, "start_failed", "the template's start "
+                                   f"command failed after the boot: {exc}", "warn")
+        how = "booted afresh on its files" if cold else "memory restored"
+        self.events.record(rec.sandbox_id, "resumed", f"sandbox resumed ({how})", op="resume",
+                           mode="filesystem" if cold else "full",
+                           seconds=f"{time.monotonic() - t0:.6f}")
         return rec
 
     # ---------------------------------------------------------------- snapshots and forks
@@ -488,7 +716,11 @@ class SandboxManager:
         sandboxes start from, by id or name. Listed as soon as it is captured: its image goes
         into the local cache (pinned) and, with every sealed layer it stacks on, to the
         repository in the background (`orchestrator/pushes.py`; `in_repository` says when)."""
+        t0 = time.monotonic()
         tpl = await self._capture(sandbox_id, name)
+        self.events.record(sandbox_id, "snapshot", f"snapshot {tpl.template_id} taken",
+                           op="snapshot", snapshotID=tpl.template_id,
+                           seconds=f"{time.monotonic() - t0:.6f}")
         with self._layers_held(tpl.layers):
             if self.snapshots is not None:
                 images = Path(tpl.image or "")
@@ -502,6 +734,7 @@ class SandboxManager:
                     self.snapshots.unpin(tpl.template_id)
                 tpl.image, tpl.in_repository = tpl.template_id, False
             self.store.put_template(tpl)
+            crash_point("snapshot:recorded")
             if not tpl.in_repository:
                 self._push_in_background(tpl)
         return tpl
@@ -551,8 +784,13 @@ class SandboxManager:
             try:
                 await driver.snapshot(self._handle(rec), images)
             except BaseException:
-                await asyncio.to_thread(shutil.rmtree, images, True)
+                # The image may hold the sealed layer: a read-only subvolume on btrfs.
+                remove = (driver.remove_layer if isinstance(driver, LayerSealingDriver)
+                          else functools.partial(shutil.rmtree, ignore_errors=True))
+                with contextlib.suppress(OSError, AenvError):
+                    await asyncio.to_thread(remove, images)
                 raise
+        crash_point("snapshot:dumped")
         if isinstance(driver, LayerSealingDriver):
             sealed = driver.sealed_layer(images)
             if sealed is not None:
@@ -571,7 +809,8 @@ class SandboxManager:
             default_user=source.default_user, default_workdir=source.default_workdir,
             env_vars=dict(rec.env_vars), created_at=utcnow(), image=str(images),
             image_token=rec.envd_access_token, source_sandbox=sandbox_id,
-            allow_internet_access=rec.allow_internet_access, runtime=rec.runtime)
+            allow_internet_access=rec.allow_internet_access, runtime=rec.runtime,
+            network=dict(rec.network), volume_mounts=list(rec.volume_mounts))
         return tpl
 
     # ---------------------------------------------------------------- sealed layers
@@ -671,6 +910,7 @@ class SandboxManager:
     def list_snapshots(self, sandbox_id: str | None = None, name: str | None = None
                        ) -> list[TemplateRecord]:
         return [t for t in self.store.iter_templates() if t.image is not None
+                and not t.transient
                 and (sandbox_id is None or t.source_sandbox == sandbox_id)
                 and (name is None or name in t.names)]
 
@@ -714,17 +954,21 @@ class SandboxManager:
         # sealed layer stays as long as a child runs on it.
         t0 = time.monotonic()
         tpl = await self._capture(sandbox_id, None)
+        tpl.transient = True  # deleted below; by the recovery at start if we crash first
         self.store.put_template(tpl)
+        crash_point("fork:captured")
         t1 = time.monotonic()
         try:
             results = await asyncio.gather(*[
                 self.create(CreateRequest(template=tpl.template_id, timeout_s=timeout,
                                           metadata=dict(parent.metadata),
                                           auto_pause=parent.auto_pause,
-                                          auto_resume=parent.auto_resume))
+                                          auto_resume=parent.auto_resume,
+                                          auto_pause_memory=parent.auto_pause_memory))
                 for _ in range(count)], return_exceptions=True)
         finally:
             t2 = time.monotonic()
+            crash_point("fork:children")
             await self.delete_template(tpl.template_id)
         log.info("fork of %s: captured in %.1f ms, %d children in %.1f ms, cleanup %.1f ms",
                  sandbox_id, (t1 - t0) * 1e3, count, (t2 - t1) * 1e3,
@@ -743,7 +987,47 @@ class SandboxManager:
                 child.template_id = parent.template_id
                 child.alias = parent.alias
                 self._commit(child)
+                self.events.record(child.sandbox_id, "forked_from",
+                                   f"sandbox forked from {sandbox_id}", parentID=sandbox_id)
+        made = sum(isinstance(c, SandboxRecord) for c in out)
+        self.events.record(sandbox_id, "forked", f"sandbox forked into {made} of {count} "
+                           "children", "info" if made == count else "warn", op="fork",
+                           seconds=f"{time.monotonic() - t0:.6f}",
+                           children=",".join(c.sandbox_id for c in out
+                                             if isinstance(c, SandboxRecord)))
         return out
+
+    # ---------------------------------------------------------------- logs
+    def _envd_log_root(self, rec: SandboxRecord) -> Path | None:
+        """Where a container sandbox's root filesystem writes (its upper): envd's log is in
+        it, readable while the sandbox runs or is paused. None for VMs (their disk)."""
+        workspace = rec.handle.get("workspace")
+        if rec.runtime != "container" or not workspace:
+            return None
+        return Path(workspace) / "upper"
+
+    async def _keep_envd_log(self, rec: SandboxRecord) -> None:
+        """Before a sandbox's files go: the end of its envd log into its event log."""
+        root = self._envd_log_root(rec)
+        if root is not None:
+            since = int(rec.started_at.timestamp() * 1000)
+            with contextlib.suppress(OSError):
+                await asyncio.to_thread(self.events.keep_envd_log, rec.sandbox_id, root, since)
+
+    async def logs(self, sandbox_id: str, query: LogQuery) -> list[LogEntry]:
+        """A sandbox's log: its lifecycle events and envd's lines (read from the sandbox while
+        it exists, kept from its last moments once it is gone), as E2B pages it. Sandboxes
+        gone for longer than the log keeps anything are not found."""
+        rec = self._records.get(sandbox_id)
+        live: list[LogEntry] = []
+        if rec is not None:
+            root = self._envd_log_root(rec)
+            if root is not None:
+                text = await asyncio.to_thread(read_tail, root / ENVD_LOG)
+                live = parse_envd_log(text, sandbox_id, int(rec.started_at.timestamp() * 1000))
+        elif not self.events.known(sandbox_id):
+            self.get(sandbox_id)  # raises: not found (or gone, with why)
+        return self.events.query(sandbox_id, query, live)
 
     async def metrics(self, sandbox_id: str) -> tuple[datetime, ResourceUsage]:
         rec = self.get(sandbox_id)
@@ -754,6 +1038,10 @@ class SandboxManager:
     async def open_port(self, sandbox_id: str, port: int) -> socket.socket:
         """A connection to `port` inside a running sandbox (the proxy's way in)."""
         rec = self.get(sandbox_id)
+        if rec.state is SandboxState.PAUSED and pause_mode(rec) == "filesystem":
+            # As in E2B: traffic does not resume a sandbox whose memory is gone.
+            raise AenvError(ErrorCode.UNAVAILABLE, f"sandbox {sandbox_id} is paused without "
+                            "its memory: resume it with connect")
         if rec.state is SandboxState.PAUSED and rec.auto_resume:
             async with self._lock(sandbox_id):
                 rec = self.get(sandbox_id)
@@ -771,6 +1059,14 @@ class SandboxManager:
 
     def running_ids(self) -> list[str]:
         return [r.sandbox_id for r in self._records.values() if r.state is SandboxState.RUNNING]
+
+    def state_counts(self) -> dict[str, int]:
+        """Sandboxes on this node by state (creates in flight count as creating)."""
+        counts = {state.value: 0 for state in SandboxState}
+        for rec in self._records.values():
+            counts[rec.state.value] += 1
+        counts[SandboxState.CREATING.value] += self._creating
+        return counts
 
     # ---------------------------------------------------------------- dead sandboxes
     def _exit_reason(self, rec: SandboxRecord) -> str | None:
@@ -813,6 +1109,9 @@ class SandboxManager:
         self._records.pop(sandbox_id, None)
         self.store.put_sandbox(replace(rec, state=SandboxState.KILLING))
         self._stopped_serving(sandbox_id)
+        await self._keep_envd_log(rec)
+        self.events.record(sandbox_id, "died", f"sandbox died: {reason}", "error",
+                           reason=reason)
         t0 = time.monotonic()
         try:
             await self._driver(rec).destroy(self._handle(rec))
@@ -906,6 +1205,29 @@ class SandboxManager:
             return True
         raise AenvError(ErrorCode.UNAVAILABLE, f"envd answered {head[:32]!r}")
 
+    # ---------------------------------------------------------------- orphans
+    async def _sweep_orphans(self) -> list[str]:
+        """Destroy what no record owns; drop checkpoint images no record names (for the
+        sandboxes no operation holds right now)."""
+        keep = ({r.sandbox_id for r in self.store.iter_sandboxes()} | set(self._records)
+                | self._creating_ids)
+        idle = [r for r in self._records.values()
+                if not (r.sandbox_id in self._locks and self._locks[r.sandbox_id].locked())
+                and r.state in (SandboxState.RUNNING, SandboxState.PAUSED)]
+        destroyed = await self._recovery.sweep(list(self._drivers.values()), keep, idle)
+        if destroyed:
+            log.warning("destroyed %d sandboxes that had no record: %s", len(destroyed),
+                        ", ".join(destroyed))
+        return destroyed
+
+    async def _sweep_orphans_forever(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_ORPHANS_INTERVAL_S)
+            try:
+                await self._sweep_orphans()
+            except Exception:  # the next round tries again
+                log.exception("orphan sweep failed")
+
     # ---------------------------------------------------------------- TTL
     async def _sweep_forever(self) -> None:
         while True:
@@ -935,9 +1257,11 @@ class SandboxManager:
         rec = self._records.get(sandbox_id)
         if rec is None or rec.end_at > utcnow():
             return
+        self.events.record(sandbox_id, "expired", "sandbox timeout reached: "
+                           + ("pausing it" if rec.auto_pause else "killing it"))
         if rec.auto_pause:
             try:
-                await self.pause(sandbox_id)
+                await self.pause(sandbox_id, memory=rec.auto_pause_memory, reason="timeout")
                 log.info("sandbox %s expired and was paused", sandbox_id)
                 return
             except AenvError as exc:
@@ -956,8 +1280,15 @@ class SandboxManager:
                     return
                 log.warning("sandbox %s expired; its runtime cannot pause, so it is killed",
                             sandbox_id)
-        await self.kill(sandbox_id)
+        await self.kill(sandbox_id, reason="timeout")
         log.info("sandbox %s expired and was killed", sandbox_id)
+
+
+def pause_mode(rec: SandboxRecord) -> str | None:
+    """E2B's `pauseMode` of a paused sandbox: `full` (memory kept) or `filesystem`."""
+    if rec.state is not SandboxState.PAUSED:
+        return None
+    return "filesystem" if rec.handle.get("fs_paused") else "full"
 
 
 def _gone(sandbox_id: str, reason: str) -> AenvError:

@@ -54,6 +54,21 @@ class TemplateRecord:
     in_repository: bool = True
     # Templates pulled from an OCI image: registry/repository@sha256:<manifest digest>.
     source_image: str | None = None
+    # A fork's own capture, deleted when the fork returns: never listed, and deleted by
+    # the recovery at start if a crash cut the fork short (orchestrator/recovery.py).
+    transient: bool = False
+    public: bool = False  # E2B's flag (PATCH /templates/{id}); every key sees every template
+    # Tags of the template's (one) build -> when each was assigned (ISO 8601): `name:tag`
+    # finds the template while it has the tag; `default` always does.
+    tags: dict[str, str] = field(default_factory=dict)
+    # A built template's start and ready commands: run again when a sandbox of it boots
+    # afresh (a resume without memory); a restore finds the start command running already.
+    start_cmd: str | None = None
+    ready_cmd: str | None = None
+    # A snapshot's source's network config and volume mounts (SandboxRecord's), which its
+    # copies keep unless their create says otherwise (volumes: must, the image needs them).
+    network: dict[str, Any] | None = None
+    volume_mounts: list[dict[str, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -73,12 +88,22 @@ class SandboxRecord:
     alias: str | None = None
     auto_pause: bool = True
     auto_resume: bool = False
+    # False: a pause at expiry keeps only the files (E2B's `autoPauseMemory`)
+    auto_pause_memory: bool = True
     allow_internet_access: bool = True
     runtime: str = "container"
     handle: dict[str, Any] = field(default_factory=dict)
     # The root filesystem layers the sandbox runs on, top first: its template's, under the
     # sealed layers of the snapshots it descends from. Empty in records of older servers.
     layers: list[str] = field(default_factory=list)
+    # E2B's network config as accepted (allowOut, denyOut, dnsServers, allowPublicTraffic,
+    # maskRequestHost; `runtime/egress.py` gives the rules their meaning).
+    network: dict[str, Any] = field(default_factory=dict)
+    # With allowPublicTraffic false: what ports other than envd's require in the
+    # `e2b-traffic-access-token` header.
+    traffic_access_token: str | None = None
+    # Volumes mounted in the sandbox: {"name", "volumeID", "path"}.
+    volume_mounts: list[dict[str, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -89,10 +114,13 @@ class CreateRequest:
     env_vars: dict[str, str] = field(default_factory=dict)
     auto_pause: bool = True
     auto_resume: bool = False
+    auto_pause_memory: bool = True  # False: a pause at expiry keeps only the files
     allow_internet_access: bool = True
     runtime: str | None = None  # a runtime driver by name; None: the server's default
     cpu_count: int | None = None  # None: the template's
     memory_mb: int | None = None  # None: the template's
+    network: dict[str, Any] | None = None  # None: the template's (a snapshot's), or none
+    volume_mounts: list[tuple[str, str]] = field(default_factory=list)  # (volume name, path)
 
 
 @dataclass

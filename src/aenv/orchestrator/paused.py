@@ -9,6 +9,14 @@ cancelled (the local copy is there and about to be used), and any directory miss
 is pulled back. After a resume or a kill, `forget_later()` deletes the entries. At start-up,
 `persist_later()` again for every paused sandbox whose upload never finished.
 
+Local copies are bounded (`local_budget_bytes`, config `snapshot.paused_cache_mb`): once a
+paused sandbox's state is in the repository, its checkpoint image is a cache entry, and the
+images of the sandboxes paused longest ago are dropped locally while their total exceeds the
+budget (a resume pulls the image back). An idle sandbox's image is ~10 MiB, but ~1.7 MiB of
+new chunks in the repository (the rest is shared): without the bound 10 000 paused sandboxes
+would need ~107 GB of local disk, with it ~17 GB of repository. A dropped image is first
+renamed away (atomic: a resume sees it whole or not at all), then deleted.
+
 Owns: the repository entries named `paused-*` and its upload tasks. Must not touch: sandbox
 records (the manager's), the local directories other than filling missing ones.
 """
@@ -16,8 +24,11 @@ records (the manager's), the local directories other than filling missing ones.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
+import os
+import shutil
 import time
 from pathlib import Path
 
@@ -34,11 +45,27 @@ def entry_name(sandbox_id: str, name: str) -> str:
     return f"{PREFIX}{sandbox_id}-{name}"
 
 
+def _tree_bytes(path: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+    return total
+
+
 class PausedStateKeeper:
-    def __init__(self, repository: Repository) -> None:
+    def __init__(self, repository: Repository, local_budget_bytes: int = 0) -> None:
         self.repository = repository
+        self.local_budget_bytes = local_budget_bytes  # 0: local copies are never dropped
         self._uploads: dict[str, asyncio.Task[None]] = {}
         self._deletes: set[asyncio.Task[None]] = set()
+        # Paused sandboxes whose state is in the repository and whose image is still local:
+        # sandbox id -> (the image directory, its bytes), oldest first. Only these may have
+        # their image dropped; a resume or a kill takes them out first.
+        self._droppable: collections.OrderedDict[str, tuple[Path, int]] = (
+            collections.OrderedDict())
+        self._droppable_bytes = 0
 
     def persist_later(self, driver: PausedStateDriver, handle: RuntimeHandle) -> None:
         """Upload the paused state of `handle` in the background (what is there already is
@@ -65,6 +92,35 @@ class PausedStateKeeper:
             stored += (await self.repository.push(key, path)).bytes_uploaded
         log.info("paused sandbox %s is in the repository (%d bytes uploaded, %.2f s)", sid,
                  stored, time.monotonic() - started)
+        if self.local_budget_bytes > 0:
+            image = next((p for n, p in state.items() if n.endswith("-image")), None)
+            if image is not None and image.is_dir():
+                size = await asyncio.to_thread(_tree_bytes, image)
+                self._not_droppable(sid)
+                self._droppable[sid] = (image, size)
+                self._droppable_bytes += size
+                await self._drop_over_budget()
+
+    def _not_droppable(self, sid: str) -> None:
+        entry = self._droppable.pop(sid, None)
+        if entry is not None:
+            self._droppable_bytes -= entry[1]
+
+    async def _drop_over_budget(self) -> None:
+        """Drop the local images of the sandboxes paused longest ago while the local copies
+        of stored states exceed the budget."""
+        while self._droppable_bytes > self.local_budget_bytes and self._droppable:
+            sid, (image, size) = self._droppable.popitem(last=False)
+            self._droppable_bytes -= size
+            trash = image.with_name(image.name + ".dropped")
+            try:
+                image.rename(trash)  # atomic: a resume sees the image whole or missing
+            except OSError as exc:
+                log.warning("paused sandbox %s: could not drop its local image: %s", sid, exc)
+                continue
+            await asyncio.to_thread(shutil.rmtree, trash, True)
+            log.info("paused sandbox %s: local image dropped (%d bytes; it is in the "
+                     "repository)", sid, size)
 
     def _finished(self, sid: str, task: asyncio.Task[None]) -> None:
         if self._uploads.get(sid) is task:
@@ -85,6 +141,7 @@ class PausedStateKeeper:
         from the repository where it is missing. AenvError(NOT_FOUND) when neither has it."""
         sid = handle.sandbox_id
         self._cancel(sid)
+        self._not_droppable(sid)
         state = driver.paused_state(handle)
         missing = {name: path for name, path in state.items() if not path.exists()}
         if not missing:
@@ -107,6 +164,7 @@ class PausedStateKeeper:
         entries in the background (their chunks go at the repository's next gc)."""
         sid = handle.sandbox_id
         self._cancel(sid)
+        self._not_droppable(sid)
         try:
             keys = [entry_name(sid, name) for name in driver.paused_state(handle)]
         except AenvError:

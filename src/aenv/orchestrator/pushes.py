@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aenv.errors import AenvError, ErrorCode
+from aenv.faults import crash_point
 from aenv.storage.repository.cache import LocalCache
 
 log = logging.getLogger("aenv.pushes")
@@ -42,8 +43,10 @@ class PendingPush:
 
 class SnapshotPusher:
     def __init__(self, cache: LocalCache,
-                 on_pushed: Callable[[str, int, int], Awaitable[None]]) -> None:
+                 on_pushed: Callable[[str, int, int], Awaitable[None]],
+                 retry_s: float = RETRY_S) -> None:
         self.cache = cache
+        self.retry_s = retry_s
         self._on_pushed = on_pushed  # (snapshot id, bytes in all, bytes new in the repository)
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._one_at_a_time = asyncio.Lock()
@@ -85,8 +88,8 @@ class SnapshotPusher:
                 except (AenvError, OSError) as exc:
                     message = exc.message if isinstance(exc, AenvError) else str(exc)
                     log.error("snapshot %s: push to the repository failed (again in %.0f s): %s",
-                              push.snapshot_id, RETRY_S, message)
-                await asyncio.sleep(RETRY_S)
+                              push.snapshot_id, self.retry_s, message)
+                await asyncio.sleep(self.retry_s)
         finally:
             self._tasks.pop(push.snapshot_id, None)
             self.cache.unpin(push.snapshot_id)
@@ -96,6 +99,8 @@ class SnapshotPusher:
         size = stored = 0
         # The image last: a snapshot in the repository has its layers there too.
         for key, path in (*push.layers, (push.snapshot_id, self.cache.path(push.snapshot_id))):
+            if key == push.snapshot_id:
+                crash_point("push:layers")
             if await repository.exists(key):
                 continue  # pushed before a restart (or by an earlier snapshot: a shared layer)
             try:

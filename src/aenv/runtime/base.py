@@ -13,6 +13,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from aenv.runtime.egress import EgressPolicy
+
+
+@dataclass(frozen=True)
+class VolumeMount:
+    """A volume bind-mounted read-write into a sandbox: `source` (a host directory, outside
+    every sandbox's writable layer) at `path` (absolute, inside the sandbox)."""
+
+    path: str
+    source: Path
+
 
 @dataclass(frozen=True)
 class SandboxSpec:
@@ -33,6 +44,9 @@ class SandboxSpec:
     # The sandbox's writable disk, MiB: writes past it fail inside the sandbox (ENOSPC or
     # EDQUOT) where the driver can bound it. None: unbounded (the host filesystem's size).
     disk_size_mb: int | None = None
+    # Outbound rules (a slot's nftables sets; `EgressDriver`). None: everything allowed.
+    egress: EgressPolicy | None = None
+    volumes: tuple[VolumeMount, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -176,3 +190,51 @@ class LayerSealingDriver(Protocol):
 
     def remove_layer(self, path: Path) -> None:
         """Delete a sealed layer (a `dest` given to adopt_sealed or merge_layers). Idempotent."""
+
+
+@runtime_checkable
+class RecoverableDriver(Protocol):
+    """A driver that settles what a server killed in the middle of an operation left behind
+    (orchestrator/recovery.py decides which call each sandbox needs, from its record)."""
+
+    async def settle(self, handle: RuntimeHandle, images: Path | None = None) -> None:
+        """Stop helpers (criu) a dead server left working on the sandbox (or on `images`,
+        a snapshot's image dir) and thaw it if a checkpoint left it frozen."""
+
+    def interrupted_pause(self, handle: RuntimeHandle) -> RuntimeHandle | None:
+        """A sandbox whose processes are gone after a pause was cut short: its paused
+        handle if the image is complete, else None."""
+
+    async def abort_resume(self, handle: RuntimeHandle) -> None:
+        """Undo a resume cut short (`handle` is the paused one); the paused image stays."""
+
+    def release_paused(self, paused: RuntimeHandle) -> None:
+        """The resume of `paused` is recorded: its paused image may be deleted."""
+
+    async def sweep(self, keep: set[str], idle: dict[str, RuntimeHandle], workspaces: Path
+                    ) -> list[str]:
+        """Destroy sandboxes in `workspaces` not in `keep`; drop checkpoint images the
+        `idle` sandboxes' handles do not name; return the ids destroyed."""
+
+
+@runtime_checkable
+class FilesystemPauseDriver(Protocol):
+    """A driver that can pause a sandbox keeping only its writable layer (no memory), and
+    boot a paused sandbox afresh on that layer (E2B's `memory: false`)."""
+
+    async def pause_filesystem(self, handle: RuntimeHandle) -> RuntimeHandle:
+        """Stop every process of the sandbox and release its CPU, memory and network; keep
+        its writable layer. The handle returned has `fs_paused` set."""
+
+    async def boot_paused(self, handle: RuntimeHandle, spec: SandboxSpec) -> RuntimeHandle:
+        """Boot a paused sandbox (paused either way) as a new sandbox on its kept writable
+        layer: no process survives; a memory image, if any, is not used."""
+
+
+@runtime_checkable
+class EgressDriver(Protocol):
+    """A driver that enforces `SandboxSpec.egress` and can change it while a sandbox runs."""
+
+    async def set_egress(self, handle: RuntimeHandle, policy: EgressPolicy) -> RuntimeHandle:
+        """Replace the running sandbox's outbound rules (atomically); the returned handle
+        records them (a restarted server re-applies what the handle says)."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import compileall
+import fcntl
 import hashlib
 import json
 import os
@@ -298,10 +299,15 @@ def build(dest: Path = BUNDLE_DIR, prefix: Path | None = None, strip: bool = Tru
     package_root = Path(__file__).resolve().parent.parent  # src/aenv
     builder = _Builder(dest, prefix or default_prefix(), package_root, strip)
     builder.collect()
-    kept = _archive(dest)
-    builder.sync()
-    if kept is not None and bundle_id(dest) == kept[0]:
-        shutil.rmtree(kept[1])  # nothing changed: no old version to keep
+    # One build at a time on a host: servers starting together (a cluster of nodes on one
+    # machine) each rebuild the same bundle, and two archives of one version collide.
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(dest.parent / f".{dest.name}.build-lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        kept = _archive(dest)
+        builder.sync()
+        if kept is not None and bundle_id(dest) == kept[0]:
+            shutil.rmtree(kept[1])  # nothing changed: no old version to keep
     return builder.report
 
 

@@ -87,6 +87,11 @@ class Layout:
         return self.snapshots_dir / snapshot_id
 
     @property
+    def volumes_dir(self) -> Path:
+        """E2B volumes (orchestrator/volumes.py): their records and files."""
+        return self.home / "volumes"
+
+    @property
     def run_dir(self) -> Path:
         return self.home / "run"
 

@@ -7,8 +7,8 @@ a quota (simple quotas, runtime/container/driver.py). `attach_storage()` (the se
 start; `storage.volume = "auto"`) keeps one such volume per home: made once, mounted
 `nosuid,nodev` at `$home/volume` (so nothing a sandbox leaves in its layers is a setuid
 program or a device node on the host), re-mounted after a reboot, reused after a restart or
-a `kill -9` of the server, and `$home/{layers,sandboxes,snapshots,runtime,cache}` are
-symlinks into it. The database and secrets stay on the home's own filesystem: a full volume
+a `kill -9` of the server, and `$home/{layers,sandboxes,snapshots,runtime,cache,volumes}` are
+symlinks into it (`volumes` too). The database and secrets stay on the home's own filesystem: a full volume
 fails writes in sandboxes, never the server's. It stays mounted when the server stops
 (sandboxes outlive their server); `detach_storage()` unmounts it. `mount_btrfs_volume()` is
 the tests' throwaway home.
@@ -37,7 +37,7 @@ DEFAULT_SIZE = 64 * 2**30  # sparse: only what is written takes host disk
 VOLUME_DIR = "volume"  # $home/volume: the mount point
 # What goes on the volume: everything a seal, a fork or a snapshot renames or snapshots
 # between (a snapshot image moves from snapshots/ into cache/snapshots/).
-STORAGE_DIRS = ("layers", "sandboxes", "snapshots", "runtime", "cache")
+STORAGE_DIRS = ("layers", "sandboxes", "snapshots", "runtime", "cache", "volumes")
 MOUNT_OPTIONS = "loop,nosuid,nodev,noatime"
 
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -51,6 +52,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from aenv import faults
 from aenv.errors import AenvError, ErrorCode
 from aenv.runtime import process, pybundle
 from aenv.runtime.container import cgroups, linux
@@ -60,12 +62,19 @@ CRIU_MIN_VERSION = (4, 2)
 NETNS_KEY = "aenv-netns"  # CRIU's name for a network namespace kept outside the image
 NETNS_MARK = "netns-external"  # present in an image taken with an external netns
 BUNDLE_KEY = "py311"  # the --external key of the runtime bundle's bind mount
+# Volumes bind-mounted into the sandbox (external to the image, like the bundle): their
+# mount points and --external keys, so that a restore binds each one's host directory there.
+VOLUMES_MARK = "volumes.json"
 ROOTFS = "rootfs"  # <workspace>/rootfs: the host-side overlay mount for --root
 WORKDIR = "criu"  # <workspace>/criu: CRIU's restore work dir (log, lazy-pages socket)
 SEALED = "sealed"  # <images>/sealed/upper: the upper layer sealed while frozen (snapshots)
 BUNDLE_MARK = "bundle-version"  # the runtime bundle version the image's processes mapped
 DUMP_LOG = "dump.log"
 RESTORE_LOG = "restore.log"
+# A criu run that takes longer is stuck (a task in the kernel, a hung filesystem): it is
+# killed and the operation fails with `timeout`; the sandbox is thawed (a dump) or cleaned up
+# (a restore). Far above any real run: 100 MiB dumps in ~0.1 s, 4 GiB in a few seconds.
+CRIU_TIMEOUT_S = 300.0
 _LOG_TAIL = 15
 # Error lines CRIU logs on every run on these hosts, which mean nothing (docs/criu-notes.md).
 _HARMLESS = re.compile(r"RLIMIT_NOFILE|iptables|ip6tables|Address already assigned|"
@@ -225,7 +234,7 @@ def _log_tail(log: Path, lines: int = _LOG_TAIL) -> str:
 
 async def _run_criu(args: list[str], log: Path, what: str, criu: Path,
                     cgroup_dirs: Sequence[Path] = (), env: dict[str, str] | None = None,
-                    pass_fds: Sequence[int] = ()) -> float:
+                    pass_fds: Sequence[int] = (), crash: str | None = None) -> float:
     """Run criu to completion; seconds taken. With `cgroup_dirs`, criu first moves itself
     into them and into a new cgroup namespace rooted there (our patch's CRIU_ENTER_CGROUPS;
     CRIU does not restore cgroup namespaces with --manage-cgroups=ignore), so that the
@@ -236,10 +245,19 @@ async def _run_criu(args: list[str], log: Path, what: str, criu: Path,
         env = {**(env if env is not None else os.environ),
                "CRIU_ENTER_CGROUPS": ":".join(str(d) for d in cgroup_dirs)}
     t0 = time.monotonic()
+    crash_timer = faults.crash_soon(crash) if crash is not None else None
     try:
-        done = await process.run([str(criu), *args], env=env, pass_fds=pass_fds)
+        done = await process.run([str(criu), *args], env=env, pass_fds=pass_fds,
+                                 timeout=CRIU_TIMEOUT_S)
     except (OSError, subprocess.SubprocessError) as exc:
         raise AenvError(ErrorCode.INTERNAL, f"{what}: cannot start criu: {exc}") from None
+    except TimeoutError:
+        raise AenvError(ErrorCode.TIMEOUT, f"{what}: criu did not finish in "
+                        f"{CRIU_TIMEOUT_S:.0f} s and was killed (log {log}):\n"
+                        f"{_log_tail(log)}") from None
+    finally:
+        if crash_timer is not None:
+            crash_timer.cancel()
     if done.returncode != 0:
         msg = done.output.decode(errors="replace").strip()[-500:]
         raise AenvError(ErrorCode.INTERNAL,
@@ -349,9 +367,12 @@ def cgroup_dirs(layout: cgroups.CgroupLayout, sandbox_id: str) -> list[Path]:
 async def dump(init_pid: int, images_dir: Path, *, freezer: Path, leave_running: bool,
                upper: Path | None = None, bundle: Path = pybundle.BUNDLE_DIR,
                bundle_version: str | None = None, external_netns: bool = False,
-               criu: Path = CRIU) -> DumpStats:
+               criu: Path = CRIU, crash: str | None = None,
+               volumes: Sequence[str] = ()) -> DumpStats:
     """Checkpoint the sandbox whose PID 1 is `init_pid` (host pid) into `images_dir` (made
     if missing; must hold no image yet). `freezer`: the sandbox's v1 freezer cgroup.
+    `volumes`: mount points (inside the sandbox) of volume bind mounts, left out of the
+    image as external mounts (their data is never copied); `restore` needs their sources.
 
     leave_running=False (pause): CRIU kills the tree after the dump; the workspace's upper
     stays as it is and is reused by the resume.
@@ -402,8 +423,14 @@ async def dump(init_pid: int, images_dir: Path, *, freezer: Path, leave_running:
         inode = os.stat(f"/proc/{init_pid}/ns/net").st_ino
         args += ["--external", f"net[{inode}]:{NETNS_KEY}"]
         (images_dir / NETNS_MARK).touch()
+    keys = {f"aenv-vol{i}": path for i, path in enumerate(volumes)}
+    for key, path in keys.items():
+        args += ["--external", f"mnt[{path}]:{key}"]
+    if keys:
+        (images_dir / VOLUMES_MARK).write_text(json.dumps(keys))
     try:
-        criu_s = await _run_criu(args, log, f"criu dump of pid {init_pid}", criu, env=env)
+        criu_s = await _run_criu(args, log, f"criu dump of pid {init_pid}", criu, env=env,
+                                 crash=crash)
     finally:
         with contextlib.suppress(OSError):
             thaw(freezer)
@@ -454,16 +481,28 @@ async def restore(images_dir: Path, *, workspace: Path, lower: Sequence[Path],
                   cgroup_dirs: Sequence[Path], envd_port: int = 49983,
                   netns: Path | None = None, lazy: bool = False,
                   bundle: Path = pybundle.BUNDLE_DIR, ready_timeout: float = 30.0,
-                  criu: Path = CRIU) -> RestoreResult:
+                  criu: Path = CRIU, crash: str | None = None,
+                  volumes: dict[str, Path] | None = None) -> RestoreResult:
     """Bring back the tree saved in `images_dir` with its root overlay on `lower` +
     `<workspace>/upper` (+ `/work`), its tasks in `cgroup_dirs` (which must exist), in the
     network namespace `netns` (a file such as a network slot's /run/aenv/netns/<slot>;
     None: a fresh loopback-only one made by CRIU). lazy: memory pages are served on demand
     by a `criu lazy-pages` daemon (it exits by itself once every page is pushed).
 
+    `volumes` (mount point -> host directory) must name every volume the image left out
+    (`image_volumes`); more are ignored (the caller mounts them once the tree runs).
+
     Returns once envd answers on `envd_port` inside the restored network namespace.
     """
     bundle, bundle_version = _bundle_of(images_dir, bundle)
+    externals: list[str] = []
+    for key, path in image_volumes(images_dir).items():
+        source = (volumes or {}).get(path)
+        if source is None:
+            raise AenvError(ErrorCode.INVALID_ARGUMENT,
+                            f"{images_dir} has a volume mounted at {path}: the restore must "
+                            "mount a volume there")
+        externals += ["--external", f"mnt[{key}]:{source}"]
     t0 = time.monotonic()
     timings: dict[str, float] = {}
     work = workspace / WORKDIR
@@ -481,7 +520,7 @@ async def restore(images_dir: Path, *, workspace: Path, lower: Sequence[Path],
     timings["mount"] = time.monotonic() - t0
     args = ["restore", "-d", "-D", str(images_dir), "-W", str(work), "-o", RESTORE_LOG,
             "--root", str(workspace / ROOTFS), "--pidfile", str(pidfile),
-            "--external", f"mnt[{BUNDLE_KEY}]:{bundle}",
+            "--external", f"mnt[{BUNDLE_KEY}]:{bundle}", *externals,
             "--manage-cgroups=ignore", "--tcp-close", "--network-lock", "skip"]
     netns_fd: int | None = None
     if (images_dir / NETNS_MARK).exists():
@@ -503,7 +542,8 @@ async def restore(images_dir: Path, *, workspace: Path, lower: Sequence[Path],
                 timings["lazy_daemon"] = time.monotonic() - t0 - timings["mount"]
             timings["criu"] = await _run_criu(args, log, f"criu restore of {images_dir}", criu,
                                               cgroup_dirs, pass_fds=(() if netns_fd is None
-                                                                     else (netns_fd,)))
+                                                                     else (netns_fd,)),
+                                              crash=crash)
         finally:
             if netns_fd is not None:
                 os.close(netns_fd)
@@ -525,6 +565,15 @@ async def restore(images_dir: Path, *, workspace: Path, lower: Sequence[Path],
     timings["total"] = time.monotonic() - t0
     return RestoreResult(pid=pid, start_time=start_time, timings=timings, log=log,
                          bundle_version=bundle_version, lazy_daemon=daemon)
+
+
+def image_volumes(images_dir: Path) -> dict[str, str]:
+    """The volume mounts an image left out: --external key -> mount point in the sandbox."""
+    try:
+        raw = json.loads((images_dir / VOLUMES_MARK).read_text())
+    except FileNotFoundError:
+        return {}
+    return {str(k): str(v) for k, v in raw.items()}
 
 
 def _bundle_of(images_dir: Path, current: Path) -> tuple[Path, str | None]:

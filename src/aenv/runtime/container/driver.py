@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -54,9 +55,26 @@ from typing import Any
 from aenv.config import Config
 from aenv.errors import AenvError, ErrorCode
 from aenv.runtime import etc_files, pybundle
-from aenv.runtime.base import ReadyShape, ResourceUsage, RuntimeHandle, SandboxSpec
-from aenv.runtime.container import cgroups, checkpoint, layers, linux, seccomp, zygote
-from aenv.runtime.container.network import NetworkPool
+from aenv.runtime.base import (
+    ReadyShape,
+    ResourceUsage,
+    RuntimeHandle,
+    SandboxSpec,
+    VolumeMount,
+)
+from aenv.runtime.container import (
+    cgroups,
+    checkpoint,
+    layers,
+    linux,
+    mounts,
+    recovery,
+    seccomp,
+    zygote,
+)
+from aenv.runtime.container import egress as slot_egress
+from aenv.runtime.container.network import NetworkPool, Slot
+from aenv.runtime.egress import EgressPolicy
 from aenv.runtime.envd_init import init_body, post_init
 from aenv.runtime.process import LiveProcess, kill_and_wait
 
@@ -143,6 +161,7 @@ class ContainerDriver:
     """The `container` runtime driver. One per server process."""
 
     name = "container"
+    supports_volumes = True  # SandboxSpec.volumes are bind-mounted (mounts.py)
 
     def __init__(
         self,
@@ -195,6 +214,11 @@ class ContainerDriver:
         self._host_netns = -1
         self._network_started = False
         self._network_lock = asyncio.Lock()
+        # Egress policies by slot address (what the domain proxy asks), and that proxy.
+        self._egress: dict[str, EgressPolicy] = {}
+        self.egress_proxy = slot_egress.EgressProxy(self.network.host_address,
+                                                    str(self.network.subnet), self._egress.get)
+        self._egress_port: int | None = None
         self.last_timings: dict[str, float] = {}  # of the latest create, for benchmarks
         self._host_uts = -1
         self._shapes: list[ReadyShape] = []
@@ -306,6 +330,13 @@ class ContainerDriver:
             await asyncio.to_thread(self._sweep_warm, self._zygote.pid)
             self._zygote = None
         if self._network_started:
+            if self._egress_port is not None:
+                await self.egress_proxy.close()
+                with contextlib.suppress(AenvError):
+                    await asyncio.to_thread(self.network.run_nft, (
+                        f"delete element ip aenv {slot_egress.PROXY_PORTS_SET} "
+                        f"{{ {self._egress_port} }}"))
+                self._egress_port = None
             await self.network.close()
             self._network_started = False
         for live in self._live.values():
@@ -326,6 +357,11 @@ class ContainerDriver:
         async with self._network_lock:  # concurrent first creates: set up once
             if not self._network_started:
                 await self.network.start()
+                # The domain-rule proxy, on the bridge address the network just set up.
+                port = await self.egress_proxy.start()
+                await asyncio.to_thread(self.network.run_nft, (
+                    f"add element ip aenv {slot_egress.PROXY_PORTS_SET} {{ {port} }}"))
+                self._egress_port = port
                 self._network_started = True
 
     async def _ensure_zygote(self) -> _Zygote:
@@ -480,7 +516,10 @@ class ContainerDriver:
             with contextlib.suppress(OSError):  # gone with a failed restore's cleanup
                 self.cgroups.set_cpu_shares(sid, cgroups.CPU_SHARES)
 
-    async def _create(self, spec: SandboxSpec, timings: bool = True) -> RuntimeHandle:
+    async def _create(self, spec: SandboxSpec, timings: bool = True,
+                      keep_files: bool = False) -> RuntimeHandle:
+        """A new sandbox for `spec` from the zygote. `keep_files`: its workspace exists (a
+        paused sandbox's upper) and a failed create leaves it there."""
         t0 = time.monotonic()
         zygote = await self._ensure_zygote()
         slot = None
@@ -494,20 +533,27 @@ class ContainerDriver:
                                 "bundle_version": self._bundle_version,
                                 "slot": slot.name if slot else None,
                                 "address": slot.address if slot else None}
+        if slot is not None and spec.egress is not None:
+            try:
+                await self._apply_egress(slot, spec.egress, data)
+            except BaseException:
+                await self.network.release(slot.name)
+                raise
         fut = zygote.submit(request)
         t_sent = time.monotonic()
+        undo = dict(data, workspace=None) if keep_files else data
         try:
             # Shielded: once asked, the zygote makes the sandbox whatever happens to us; if we
             # are cancelled or time out, a background task waits for it and destroys it.
             reply = await asyncio.wait_for(asyncio.shield(fut), self.create_timeout)
         except BaseException as exc:
-            self._background(self._discard(fut, spec.sandbox_id, data))
+            self._background(self._discard(fut, spec.sandbox_id, undo))
             if isinstance(exc, TimeoutError):
                 raise AenvError(ErrorCode.TIMEOUT,
                                 f"sandbox {spec.sandbox_id} did not start in time") from None
             raise
         if not reply.get("ok"):
-            await self._cleanup(spec.sandbox_id, data, reply.get("pid"))
+            await self._cleanup(spec.sandbox_id, undo, reply.get("pid"))
             raise AenvError(ErrorCode.INTERNAL,
                             f"sandbox {spec.sandbox_id} failed to start: {reply.get('error')}")
         data["pid"] = int(reply["pid"])
@@ -515,6 +561,11 @@ class ContainerDriver:
         self._limit_disk(spec, data)
         self._live[spec.sandbox_id] = LiveProcess(data["pid"], data["start_time"], cpu_used=0,
                                             cpu_at=time.monotonic())
+        try:
+            await self._mount_volumes(spec, data, spec.volumes)
+        except BaseException:
+            await self._cleanup(spec.sandbox_id, data, data["pid"], data["start_time"])
+            raise
         if timings:
             self.last_timings = {"slot": t_slot, "total": time.monotonic() - t0,
                                  "sent": t_sent - t0, "pooled": 0.0,
@@ -627,6 +678,10 @@ class ContainerDriver:
             # more CPU than it saves under a burst.
             self._claim_host(name, ready.shape, spec, data, live)
             t_host = time.monotonic() - t0
+            if spec.egress is not None and data.get("slot"):
+                await self._apply_egress(self.network.slot_by_name(str(data["slot"])),
+                                         spec.egress, data)
+            await self._mount_volumes(spec, data, spec.volumes)
             self._live[sid] = live
             handle = RuntimeHandle(driver=self.name, sandbox_id=sid, data=data)
             await self._init_envd(handle, ready.token, init_body(spec))
@@ -714,6 +769,52 @@ class ContainerDriver:
         finally:
             os.close(etc)
 
+    # ------------------------------------------------------------------ egress, volumes
+    async def _apply_egress(self, slot: Slot, policy: EgressPolicy, data: dict[str, Any]
+                            ) -> None:
+        """Install `policy` on `slot` (one nft transaction) and record it in `data`."""
+        if not policy.active:
+            if data.get("egress"):
+                await asyncio.to_thread(self.network.run_nft,
+                                        slot_egress.clear_commands(slot.index, slot.address))
+            data.pop("egress", None)
+            self._egress.pop(slot.address, None)
+            return
+        proxy = (None if self._egress_port is None
+                 else (self.network.host_address, self._egress_port))
+        commands = slot_egress.apply_commands(
+            slot.index, slot.address, policy, subnet=str(self.network.subnet),
+            host_dns=self.network.host_dns(), proxy=proxy)
+        self._egress[slot.address] = policy  # before the DNAT rules can send anything
+        await asyncio.to_thread(self.network.run_nft, commands)
+        data["egress"] = policy.to_json()
+
+    async def set_egress(self, handle: RuntimeHandle, policy: EgressPolicy) -> RuntimeHandle:
+        """`EgressDriver`: replace a running sandbox's outbound rules."""
+        slot = handle.data.get("slot")
+        if not slot:
+            raise AenvError(ErrorCode.CONFLICT,
+                            f"sandbox {handle.sandbox_id} has no network interface (it was "
+                            "created without internet access): its egress cannot change")
+        if not self._live_of(handle).alive():
+            raise AenvError(ErrorCode.UNAVAILABLE, f"sandbox {handle.sandbox_id} is not running")
+        await self._ensure_network()
+        data = dict(handle.data)
+        await self._apply_egress(self.network.slot_by_name(str(slot)), policy, data)
+        return RuntimeHandle(self.name, handle.sandbox_id, data)
+
+    async def _mount_volumes(self, spec: SandboxSpec, data: dict[str, Any],
+                             volumes: Sequence[VolumeMount]) -> None:
+        """Mount `volumes` (some of `spec.volumes`) into the running sandbox of `data`;
+        `data["volumes"]` lists every volume mount point, for its checkpoints."""
+        data["volumes"] = [v.path for v in spec.volumes]
+        if not volumes:
+            return
+        if self.userns is not None:
+            raise AenvError(ErrorCode.NOT_SUPPORTED,
+                            "volumes are not supported for sandboxes in user namespaces")
+        await asyncio.to_thread(mounts.attach_volumes, int(data["pid"]), list(volumes))
+
     async def _init_envd(self, handle: RuntimeHandle, token: str, body: dict[str, Any]
                          ) -> None:
         """`POST /init` to the sandbox's envd, authenticated with its current `token`."""
@@ -787,6 +888,11 @@ class ContainerDriver:
         if slot:
             await self._ensure_network()
             self.network.claim(slot)
+            if handle.data.get("egress"):
+                # Our proxy's port changed with the restart: the DNAT rules follow it.
+                await self._apply_egress(self.network.slot_by_name(str(slot)),
+                                         EgressPolicy.from_json(handle.data["egress"]),
+                                         handle.data)
         return True
 
     def exit_reason(self, handle: RuntimeHandle) -> str | None:
@@ -863,10 +969,18 @@ class ContainerDriver:
         await self._require_criu()
         data = dict(handle.data)
         images = self._checkpoints_dir(Path(data["workspace"])) / f"pause-{time.time_ns()}"
-        stats = await checkpoint.dump(live.pid, images, freezer=self.cgroups.path("freezer", sid),
-                                      leave_running=False, bundle=self.bundle,
-                                      bundle_version=data.get("bundle_version"),
-                                      external_netns=bool(data.get("slot")))
+        try:
+            stats = await checkpoint.dump(
+                live.pid, images, freezer=self.cgroups.path("freezer", sid),
+                leave_running=False, bundle=self.bundle,
+                bundle_version=data.get("bundle_version"),
+                external_netns=bool(data.get("slot")), crash="pause:criu",
+                volumes=data.get("volumes") or ())
+        except BaseException:
+            # The sandbox runs on (thawed); a partial image only takes disk (a full disk is
+            # a common reason for the failure).
+            await asyncio.to_thread(shutil.rmtree, images, True)
+            raise
         self.last_timings = {"frozen": stats.frozen_s, "total": stats.total_s}
         self._sync_later(sid, Path(data["workspace"]))
         self._live.pop(sid, None)
@@ -874,7 +988,9 @@ class ContainerDriver:
         if data.get("slot"):
             await self._ensure_network()
             await self.network.release(str(data["slot"]))
+            self._egress.pop(str(data.get("address")), None)
         data.update(pid=None, start_time=None, slot=None, address=None, images=str(images))
+        data.pop("egress", None)  # the resume applies the spec's to its new slot
         return RuntimeHandle(self.name, sid, data)
 
     def _sync_later(self, sid: str, workspace: Path) -> None:
@@ -900,7 +1016,11 @@ class ContainerDriver:
         self._background(later())
 
     def paused_state(self, handle: RuntimeHandle) -> dict[str, Path]:
-        """The checkpoint image and the writable layer (the upper, as the pause left it)."""
+        """The checkpoint image and the writable layer (the upper, as the pause left it);
+        only the writable layer after a filesystem-only pause."""
+        fs_pause = handle.data.get("fs_paused")
+        if fs_pause:
+            return {f"{fs_pause}-upper": Path(handle.data["workspace"]) / "upper"}
         if not handle.data.get("images"):
             raise AenvError(ErrorCode.CONFLICT, f"sandbox {handle.sandbox_id} is not paused")
         images = Path(handle.data["images"])
@@ -933,18 +1053,26 @@ class ContainerDriver:
                                     memory_mb=spec.memory_mb, cpu_count=spec.cpu_count,
                                     pids_max=spec.pids_max)
         slot = None
+        data.pop("egress", None)  # the spec's, on the new slot (a pause cut short kept it)
         if spec.allow_internet_access:
             await self._ensure_network()
             slot = await self.network.acquire()
         try:
+            if slot is not None and spec.egress is not None:
+                await self._apply_egress(slot, spec.egress, data)
             with self._restoring(sid):
                 result = await checkpoint.restore(
                     Path(images), workspace=Path(data["workspace"]),
                     lower=[self.driver_layer, *spec.lower_layers],
                     cgroup_dirs=checkpoint.cgroup_dirs(self.cgroups, sid),
                     envd_port=spec.envd_port, netns=slot.path if slot else None,
-                    bundle=self.bundle)
+                    bundle=self.bundle, crash="resume:criu",
+                    volumes={v.path: v.source for v in spec.volumes})
         except BaseException:
+            # Whatever a failed (or killed) criu restored goes; the image stays for the
+            # next try. Then the slot, which those processes were in.
+            with contextlib.suppress(AenvError, OSError):
+                await self.abort_resume(handle)
             if slot is not None:
                 await self.network.release(slot.name)
             raise
@@ -953,8 +1081,73 @@ class ContainerDriver:
         data.update(pid=result.pid, start_time=result.start_time, images=None,
                     bundle_version=result.bundle_version,
                     slot=slot.name if slot else None, address=slot.address if slot else None)
-        self._background(asyncio.to_thread(shutil.rmtree, images, True))
+        # The image stays until the orchestrator has recorded the resume (release_paused):
+        # a crash before that rolls the sandbox back to paused, from this image.
         return RuntimeHandle(self.name, sid, data)
+
+    def release_paused(self, paused: RuntimeHandle) -> None:
+        """`RecoverableDriver`: the resume of `paused` is recorded; its image can go."""
+        images = paused.data.get("images")
+        if images:
+            self._background(asyncio.to_thread(shutil.rmtree, images, True))
+
+    # ------------------------------------------------------------------ filesystem-only pause
+    async def pause_filesystem(self, handle: RuntimeHandle) -> RuntimeHandle:
+        """`FilesystemPauseDriver`: every process of the sandbox is killed, its cgroups and
+        network slot go; its workspace (the writable layer) stays, synced to disk in the
+        background. No CRIU: the cost is a kill, whatever the sandbox's memory."""
+        sid = handle.sandbox_id
+        live = self._live_of(handle)
+        if not live.alive():
+            raise AenvError(ErrorCode.UNAVAILABLE, f"sandbox {sid} is not running")
+        data = dict(handle.data)
+        t0 = time.monotonic()
+        await self._stop_keeping_files(sid, data)
+        self.last_timings = {"total": time.monotonic() - t0}
+        self._sync_later(sid, Path(data["workspace"]))
+        data.update(pid=None, start_time=None, slot=None, address=None, images=None,
+                    fs_paused=f"fs-{time.time_ns()}")
+        return RuntimeHandle(self.name, sid, data)
+
+    async def _stop_keeping_files(self, sid: str, data: dict[str, Any]) -> None:
+        """What `_cleanup` does but removing the workspace: the sandbox's processes, cgroups,
+        network slot and root mount go; its upper stays, ready for a new boot on it."""
+        live = self._live.pop(sid, None)
+        if live is not None:
+            live.close_netns()
+        pid = data.get("pid")
+        if pid:
+            await kill_and_wait(int(pid), data.get("start_time"), "sandbox init")
+        await self._kill_cgroup(sid)
+        try:
+            await asyncio.to_thread(self.cgroups.remove, sid)
+        except OSError as exc:
+            raise AenvError(ErrorCode.INTERNAL, f"sandbox {sid}: cgroup: {exc}") from None
+        if data.get("slot"):
+            await self._ensure_network()
+            await self.network.release(str(data["slot"]))
+        workspace = Path(data["workspace"])
+        checkpoint.unmount_root(workspace)  # a restored sandbox's root
+        # overlayfs refuses a work dir a volatile mount used: the next boot makes a new one.
+        await asyncio.to_thread(shutil.rmtree, workspace / "work", True)
+
+    async def boot_paused(self, handle: RuntimeHandle, spec: SandboxSpec) -> RuntimeHandle:
+        """`FilesystemPauseDriver`: a fresh sandbox (envd as init, the template's start)
+        on the paused sandbox's kept upper; a checkpoint image it has is left unused (the
+        orchestrator releases it once the boot is recorded)."""
+        sid = handle.sandbox_id
+        workspace = Path(handle.data["workspace"])
+        if not (workspace / "upper").is_dir():
+            raise AenvError(ErrorCode.NOT_FOUND, f"sandbox {sid}: its writable layer is gone")
+        # (a pool sandbox whose workspace could not move stays where it was made)
+        spec = dataclasses.replace(spec, workspace=workspace)
+        self._check_spec(spec)
+        with self._in_flight(sid):
+            if self.cgroups.exists(sid):  # a memory pause keeps them for its restore
+                await self._stop_keeping_files(sid, dict(handle.data, slot=None, pid=None))
+            else:
+                await asyncio.to_thread(shutil.rmtree, workspace / "work", True)
+            return await self._create(spec, keep_files=True)
 
     # ------------------------------------------------------------------ disk quota
     def _limit_disk(self, spec: SandboxSpec, data: dict[str, Any]) -> None:
@@ -996,7 +1189,8 @@ class ContainerDriver:
             live.pid, images, freezer=self.cgroups.path("freezer", sid), leave_running=True,
             upper=Path(handle.data["workspace"]) / "upper", bundle=self.bundle,
             bundle_version=handle.data.get("bundle_version"),
-            external_netns=bool(handle.data.get("slot")))
+            external_netns=bool(handle.data.get("slot")), crash="snapshot:criu",
+            volumes=handle.data.get("volumes") or ())
         log.info("snapshot of %s: frozen %.1f ms (sealing the writable layer %.1f ms), "
                  "dump %.1f ms", sid, stats.frozen_s * 1e3, stats.copy_s * 1e3,
                  stats.total_s * 1e3)
@@ -1030,6 +1224,9 @@ class ContainerDriver:
                 await self._ensure_network()
                 slot = await self.network.acquire()
                 data.update(slot=slot.name, address=slot.address)
+                if spec.egress is not None:
+                    await self._apply_egress(slot, spec.egress, data)
+            in_image = set(checkpoint.image_volumes(images).values())
             # The image's sealed writable layer, unless the caller already made it one of
             # the template's layers (the orchestrator moves it out of the image).
             seal = checkpoint.seal_layer(images)
@@ -1040,13 +1237,15 @@ class ContainerDriver:
                     images, workspace=spec.workspace, lower=lower,
                     cgroup_dirs=checkpoint.cgroup_dirs(self.cgroups, sid),
                     envd_port=spec.envd_port, netns=slot.path if slot else None,
-                    bundle=self.bundle)
+                    bundle=self.bundle, volumes={v.path: v.source for v in spec.volumes})
                 data.update(pid=result.pid, start_time=result.start_time,
                             bundle_version=result.bundle_version)
                 live = LiveProcess(result.pid, result.start_time, cpu_used=0,
                                    cpu_at=time.monotonic())
                 self._live[sid] = live
                 self._set_identity(sid, live, data)
+                await self._mount_volumes(spec, data, [v for v in spec.volumes
+                                                       if v.path not in in_image])
                 handle = RuntimeHandle(self.name, sid, data)
                 await self._init_envd(handle, image_token or "", init_body(spec))
         except BaseException:
@@ -1095,6 +1294,84 @@ class ContainerDriver:
         if workspace:
             checkpoint.unmount_root(Path(workspace))  # a restore that crashed half-way
             await asyncio.to_thread(shutil.rmtree, workspace, True)
+
+    # ------------------------------------------------------------------ crash recovery
+    async def settle(self, handle: RuntimeHandle, images: Path | None = None) -> None:
+        """`RecoverableDriver`: stop what a dead server left working on this sandbox (a criu
+        dump or restore: on its init, its workspace or `images`), then thaw its cgroup if
+        a checkpoint left it frozen. Its processes, if alive, run on as before."""
+        sid = handle.sandbox_id
+        pid = handle.data.get("pid")
+        paths = [Path(p) for p in (handle.data.get("workspace"), images) if p]
+        helpers = await asyncio.to_thread(recovery.helpers_of, int(pid) if pid else None, paths)
+        for helper in helpers:
+            log.warning("sandbox %s: stopping criu (pid %d) left by a previous server", sid,
+                        helper)
+            await kill_and_wait(helper, None, "criu")
+        freezer = self.cgroups.path("freezer", sid)
+        if recovery.frozen(freezer):
+            log.warning("sandbox %s: thawing it (frozen by a checkpoint a crash cut short)", sid)
+            recovery.thaw(freezer)
+
+    def interrupted_pause(self, handle: RuntimeHandle) -> RuntimeHandle | None:
+        """`RecoverableDriver`: for a sandbox whose pause was cut short after its processes
+        were gone, the paused handle if criu finished its image (else None)."""
+        workspace = handle.data.get("workspace")
+        data = {k: v for k, v in handle.data.items() if k != "pausing"}
+        data.update(pid=None, start_time=None, slot=None, address=None)
+        if handle.data.get("pausing") == "filesystem":
+            # Its processes were to go anyway: paused without memory if its files are there
+            # (boot_paused cleans up what the kill left: cgroups, a mount).
+            if not workspace or not (Path(workspace) / "upper").is_dir():
+                return None
+            data.update(images=None, fs_paused=f"fs-{time.time_ns()}")
+            return RuntimeHandle(self.name, handle.sandbox_id, data)
+        images = recovery.complete_pause_image(Path(workspace)) if workspace else None
+        if images is None:
+            return None
+        data.update(images=str(images))
+        return RuntimeHandle(self.name, handle.sandbox_id, data)
+
+    async def abort_resume(self, handle: RuntimeHandle) -> None:
+        """`RecoverableDriver`: undo a resume cut short (`handle` is the paused one): the
+        restored or half-restored processes go, the root is unmounted; the image stays."""
+        await self._kill_cgroup(handle.sandbox_id)
+        workspace = handle.data.get("workspace")
+        if workspace:
+            await asyncio.to_thread(checkpoint.unmount_root, Path(workspace))
+
+    async def sweep(self, keep: set[str], idle: dict[str, RuntimeHandle], workspaces: Path
+                    ) -> list[str]:
+        """`RecoverableDriver`: destroy sandboxes in `workspaces` not in `keep` (a create cut
+        short, or a fork child whose fork never committed), delete checkpoint images that
+        the records of `idle` sandboxes (no operation on them in flight) do not name, and
+        network slots no process uses any more. Returns the sandbox ids destroyed."""
+        orphans = await asyncio.to_thread(recovery.orphan_workspaces, workspaces,
+                                          keep | self._creating)
+        destroyed = []
+        for workspace in orphans:
+            sid = workspace.name
+            if sid in self._creating or sid in self._live:
+                continue
+            log.warning("sandbox %s has no record (its create was cut short): destroying it",
+                        sid)
+            with contextlib.suppress(AenvError):
+                await self._cleanup(sid, {"workspace": str(workspace)}, None)
+                destroyed.append(sid)
+        for sid, handle in idle.items():
+            home = handle.data.get("workspace")
+            if not home or sid in self._creating:
+                continue
+            current = handle.data.get("images")
+            for stale in await asyncio.to_thread(recovery.stale_images, Path(home),
+                                                 Path(current) if current else None):
+                await asyncio.to_thread(shutil.rmtree, stale, True)
+        # Slots of the sandboxes just destroyed (or of ones a crash left): the network's own
+        # start collects them too, but may have looked before those processes were gone.
+        with contextlib.suppress(AenvError, OSError):
+            await self._ensure_network()
+            await self.network.collect_abandoned()
+        return destroyed
 
     async def _kill_cgroup(self, sandbox_id: str, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout

@@ -52,8 +52,18 @@ def stores_shifted_ids(path: Path, root_id: int) -> bool:
 
 
 def remove_layer(path: Path) -> None:
-    """Delete a layer directory, a read-only btrfs subvolume included. Idempotent."""
+    """Delete a layer directory, a read-only btrfs subvolume included, or a directory that
+    holds one at any depth (a snapshot image with its sealed layer inside). Idempotent."""
     if not os.path.lexists(path):
+        return
+    if not path.is_symlink() and path.is_dir() and not linux.is_subvolume(str(path)):
+        for top, dirs, _files in os.walk(path):
+            for name in list(dirs):
+                inner = Path(top) / name
+                if not inner.is_symlink() and linux.is_subvolume(str(inner)):
+                    remove_layer(inner)
+                    dirs.remove(name)
+        shutil.rmtree(path)
         return
     if linux.is_subvolume(str(path)):
         # A workspace holds a nested subvolume (`checkpoints`, the driver's): the kernel

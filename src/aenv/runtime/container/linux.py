@@ -19,6 +19,7 @@ import socket
 import struct
 
 # <linux/sched.h>
+CLONE_FS = 0x00000200
 CLONE_NEWNS = 0x00020000
 CLONE_NEWCGROUP = 0x02000000
 CLONE_NEWUTS = 0x04000000

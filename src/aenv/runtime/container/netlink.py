@@ -17,11 +17,15 @@ from typing import Self
 
 NETLINK_ROUTE = 0
 RTM_NEWLINK, RTM_DELLINK, RTM_SETLINK, RTM_NEWADDR, RTM_NEWROUTE = 16, 17, 19, 20, 24
+RTM_NEWNEIGH = 28
+NDA_LLADDR, NTF_MASTER, NUD_NOARP = 2, 0x04, 0x40  # <linux/neighbour.h>
 NLMSG_ERROR = 2
 NLM_F_REQUEST, NLM_F_ACK, NLM_F_EXCL, NLM_F_CREATE = 0x1, 0x4, 0x200, 0x400
+NLM_F_REPLACE = 0x100
 IFLA_ADDRESS, IFLA_IFNAME, IFLA_MASTER, IFLA_PROTINFO, IFLA_LINKINFO = 1, 3, 10, 12, 18
 IFLA_NET_NS_FD = 28
 IFLA_BRPORT_ISOLATED = 33  # <linux/if_link.h>: the port talks to non-isolated ports only
+IFLA_BRPORT_UNICAST_FLOOD = 9  # frames to an unknown MAC are (not) flooded to the port
 NLA_F_NESTED = 0x8000
 AF_BRIDGE = 7
 IFLA_INFO_KIND, IFLA_INFO_DATA, VETH_INFO_PEER = 1, 2, 1
@@ -34,6 +38,7 @@ _NLMSGHDR = struct.Struct("=IHHII")
 _IFINFOMSG = struct.Struct("=BxHiII")
 _IFADDRMSG = struct.Struct("=BBBBi")
 _RTMSG = struct.Struct("=BBBBBBBBI")
+_NDMSG = struct.Struct("=BxxxiHBB")
 
 
 def _attr(kind: int, data: bytes) -> bytes:
@@ -117,6 +122,18 @@ class Netlink:
         protinfo = _attr(IFLA_BRPORT_ISOLATED, b"\1")
         self.request(RTM_SETLINK, _ifinfo(index, family=AF_BRIDGE)
                      + _attr(IFLA_PROTINFO | NLA_F_NESTED, protinfo))
+
+    def guard_bridge_port(self, index: int, mac: str) -> None:
+        """Bridge port `index` (its master set) gets no unknown-unicast floods, and a static
+        forwarding entry for `mac` (the one address it may use), so frames to it are
+        delivered before it has sent any: the bridge never has to flood a neighbour's
+        unicast (to a MAC it has not learnt yet, e.g. a new slot reusing an index) to it.
+        (`bridge link set dev X flood off`; `bridge fdb add MAC dev X master static`.)"""
+        protinfo = _attr(IFLA_BRPORT_UNICAST_FLOOD, b"\0")
+        self.request(RTM_SETLINK, _ifinfo(index, family=AF_BRIDGE)
+                     + _attr(IFLA_PROTINFO | NLA_F_NESTED, protinfo))
+        self.request(RTM_NEWNEIGH, _NDMSG.pack(AF_BRIDGE, index, NUD_NOARP, NTF_MASTER, 0)
+                     + _attr(NDA_LLADDR, mac_bytes(mac)), NLM_F_CREATE | NLM_F_REPLACE)
 
     def delete_link(self, index: int) -> None:
         self.request(RTM_DELLINK, _ifinfo(index))

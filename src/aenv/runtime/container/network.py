@@ -25,6 +25,10 @@ Sandbox code is hostile, so a slot is a port that can only speak for itself:
   0, as in Docker: binding port 80 needs no capability (none is held over a host-made netns
   from inside a user namespace).
 
+Egress policies (E2B's allowOut/denyOut) hang off this table: the maps `egress`/`egress_nat`,
+the set `egress_proxy_ports` and the base chains `egress_*` are declared here; the per-slot
+sets and chains they lead to are `egress.py`'s, removed here with their slot.
+
 Owns: the bridge `aenv0` (and its fixed MAC), the nftables tables `ip aenv` and `bridge aenv`,
 veths `aenvh*`, the files under /run/aenv/netns/, the ip_forward sysctl (turned on).
 Must not touch: other interfaces, routes or firewall tables of the host.
@@ -49,7 +53,7 @@ from pathlib import Path
 
 from aenv.errors import AenvError, ErrorCode
 from aenv.runtime import etc_files
-from aenv.runtime.container import linux
+from aenv.runtime.container import egress, linux
 from aenv.runtime.container.netlink import Netlink, ifindex
 from aenv.runtime.container.nft import Nft
 
@@ -233,9 +237,7 @@ class NetworkPool:
         on this host, stay bound while a server (re)starts. Only sandboxes' traffic is
         masqueraded: the host's own from the bridge address (to itself over lo) keeps it."""
         br, ports = self.bridge, f'"{VETH_PREFIX}*"'
-        dns = sorted({word for line in (etc_files.host_resolv_conf() or "").splitlines()
-                      if line.startswith("nameserver")
-                      for word in line.split()[1:2] if _is_ipv4(word)})
+        dns = self.host_dns()
         dns_elements = f"add element ip aenv host_dns {{ {', '.join(dns)} }}\n" if dns else ""
         arp_is_ipv4_over_ethernet = "arp htype 1 arp ptype ip arp hlen 6 arp plen 4"
         return f"""
@@ -255,10 +257,22 @@ add rule bridge aenv forward iifname {ports} oifname {ports} drop
 
 add table ip aenv
 add set ip aenv host_dns {{ type ipv4_addr; }}
+add map ip aenv {egress.FORWARD_MAP} {{ type ipv4_addr : verdict; }}
+add map ip aenv {egress.NAT_MAP} {{ type ipv4_addr : verdict; }}
+add set ip aenv {egress.PROXY_PORTS_SET} {{ type inet_service; }}
+add chain ip aenv egress_prerouting {{ type nat hook prerouting priority dstnat; \
+    policy accept; }}
+add chain ip aenv egress_forward {{ type filter hook forward priority filter + 1; \
+    policy accept; }}
+add chain ip aenv egress_input {{ type filter hook input priority filter + 1; \
+    policy accept; }}
 add chain ip aenv postrouting {{ type nat hook postrouting priority srcnat; policy accept; }}
 add chain ip aenv forward {{ type filter hook forward priority filter; policy accept; }}
 add chain ip aenv input {{ type filter hook input priority filter; policy accept; }}
 add chain ip aenv output {{ type filter hook output priority filter; policy accept; }}
+flush chain ip aenv egress_prerouting
+flush chain ip aenv egress_forward
+flush chain ip aenv egress_input
 flush chain ip aenv postrouting
 flush chain ip aenv forward
 flush chain ip aenv input
@@ -269,13 +283,29 @@ add rule ip aenv postrouting ip saddr {self.subnet} ip saddr != {self.host_addre
     oifname != "{br}" masquerade
 add rule ip aenv forward iifname "{br}" oifname "{br}" drop
 add rule ip aenv forward iifname "{br}" ip daddr 169.254.0.0/16 drop
+add rule ip aenv egress_forward iifname "{br}" ip saddr vmap @{egress.FORWARD_MAP}
+add rule ip aenv egress_prerouting iifname "{br}" ip saddr vmap @{egress.NAT_MAP}
+add rule ip aenv egress_input iifname "{br}" ip daddr @host_dns ct state new \
+    ip saddr vmap @{egress.FORWARD_MAP}
 add rule ip aenv input iifname "{br}" ct state established,related accept
+add rule ip aenv input iifname "{br}" ct status dnat ip daddr {self.host_address} \
+    tcp dport @{egress.PROXY_PORTS_SET} accept
 add rule ip aenv input iifname "{br}" ip daddr @host_dns meta l4proto {{ tcp, udp }} \
     th dport 53 accept
 add rule ip aenv input iifname "{br}" meta l4proto tcp reject with tcp reset
 add rule ip aenv input iifname "{br}" drop
 add rule ip aenv output oifname "{br}" icmp type redirect drop
 """
+
+    def host_dns(self) -> list[str]:
+        """The host's resolvers that sandboxes use (its resolv.conf's IPv4 nameservers)."""
+        return sorted({word for line in (etc_files.host_resolv_conf() or "").splitlines()
+                       if line.startswith("nameserver")
+                       for word in line.split()[1:2] if _is_ipv4(word)})
+
+    def run_nft(self, commands: str) -> None:
+        """Run an nft transaction on our tables (blocking: from a host-namespace thread)."""
+        self._nft.run(commands)
 
     def _bind_existing_slots(self) -> None:
         """Elements and port isolation for slots already on the host (made by a previous
@@ -295,6 +325,7 @@ add rule ip aenv output oifname "{br}" icmp type redirect drop
                     continue  # not made yet: its maker binds it
                 with contextlib.suppress(OSError):
                     host.isolate_bridge_port(port)
+                    host.guard_bridge_port(port, mac)
                 elements.append(_port_element(slot.veth, mac, slot.address))
         if elements:
             self._nft.run("".join(f"add element bridge aenv ports {e}\n" for e in elements))
@@ -327,6 +358,7 @@ add rule ip aenv output oifname "{br}" icmp type redirect drop
                 port = ifindex(veth)
                 host.set_link(port, master=bridge)
                 host.isolate_bridge_port(port)
+                host.guard_bridge_port(port, slot.mac)
                 # Bound before the port goes up: the bridge drops every frame of an unbound port.
                 self._bind(slot)
                 host.set_link(port, up=True)
@@ -369,6 +401,8 @@ add rule ip aenv output oifname "{br}" icmp type redirect drop
         with contextlib.suppress(AenvError):
             self._nft.run(f"delete element bridge aenv ports "
                           f"{_port_element(slot.veth, slot.mac, slot.address)}")
+        with contextlib.suppress(AenvError):  # its egress policy, if it had one
+            self._nft.run(egress.clear_commands(slot.index, slot.address))
         with contextlib.suppress(FileNotFoundError):
             slot.path.unlink()
 
@@ -402,13 +436,23 @@ add rule ip aenv output oifname "{br}" icmp type redirect drop
         if self._started:
             return
         await asyncio.to_thread(self._setup_host)
-        _, abandoned = await asyncio.to_thread(self._scan_existing)
         # Slots in use belong to sandboxes that outlived a server: attach() claims them and
         # destroy() releases them.
-        for slot in abandoned:
-            await asyncio.to_thread(self._delete_slot, slot)
+        await self.collect_abandoned(foreign_only=False)
         self._started = True
         self._kick()
+
+    async def collect_abandoned(self, foreign_only: bool = True) -> int:
+        """Delete slots that no process uses and no pool holds: those of sandboxes a crashed
+        server left behind, once their processes are gone. `foreign_only`: only slots made
+        by another (dead) server process; ours may be being made right now. Returns how
+        many were deleted."""
+        _, abandoned = await asyncio.to_thread(self._scan_existing)
+        if foreign_only:
+            abandoned = [slot for slot in abandoned if slot.owner != os.getpid()]
+        for slot in abandoned:
+            await asyncio.to_thread(self._delete_slot, slot)
+        return len(abandoned)
 
     async def close(self) -> None:
         """Delete the warm (unassigned) slots; slots of live sandboxes stay."""

@@ -24,10 +24,16 @@ class SnapshotConfig:
     s3_prefix: str | None = None  # key prefix inside the bucket; None or "" means the bucket root
     s3_region: str | None = None  # required for s3: signatures depend on it, never guessed
     cache_gb: int = 10  # local runtime cache of materialised snapshots, GiB (LRU beyond this)
+    # Paused sandboxes' checkpoint images kept locally once they are in the repository, MiB:
+    # beyond it the oldest are dropped locally and a resume pulls them back (0: all kept).
+    paused_cache_mb: int = 20480
     max_sealed_layers: int = 8  # sealed layers a stack may hold before they are compacted
     # Every this many seconds the server deletes chunks no snapshot references any more
     # (deleted snapshots, resumed or killed paused sandboxes, interrupted uploads); 0: never.
     gc_interval_s: int = 600
+    # A snapshot push that failed (repository unreachable, disk error) is tried again this
+    # many seconds later, for as long as it takes; the snapshot is usable on its node meanwhile.
+    push_retry_s: int = 30
 
     @property
     def cache_bytes(self) -> int:

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
 from aenv.errors import AenvError, ErrorCode, invalid, not_found
+from aenv.faults import crash_point
 from aenv.storage.repository.blobstore import BlobStore
 from aenv.storage.repository.chunking import DEFAULT_CHUNKING, Chunking, iter_chunks
 from aenv.storage.repository.manifest import (
@@ -80,6 +81,7 @@ class GcStats:
     blobs_deleted: int = 0
     skipped: str | None = None  # why nothing was deleted, if so
     seconds: float = 0.0
+    stale_markers: int = 0  # pending markers of pushes that died with their server
 
 
 def _syncfs(path: Path) -> None:
@@ -188,6 +190,7 @@ class Repository:
             manifest = Manifest(snapshot_id=snapshot_id, parent_id=parent_id,
                                 entries=[e for e, _ in entries], chunking=self.chunking.as_dict())
             stats.bytes_total = manifest.bytes_total  # files may differ from the scan's stat
+            crash_point("repository:chunks")
             # Written last: blobs are durable by now (each put is atomic and synced).
             await self._run(self.store.put_meta, manifest_name(snapshot_id), manifest.to_bytes())
             stats.seconds = time.monotonic() - started
@@ -386,8 +389,15 @@ class Repository:
         stats = GcStats()
         await self._run(self.store.put_meta, GC_LOCK, json.dumps({"at": time.time()}).encode())
         try:
-            pending = [m for m in await self._run(self.store.list_meta, "pending")
-                       if time.time() - m.mtime < self.marker_ttl_s]
+            markers = await self._run(self.store.list_meta, "pending")
+            pending = [m for m in markers if time.time() - m.mtime < self.marker_ttl_s]
+            # Markers past their time are of pushes that died with their server (kill -9):
+            # gc already ignores them; they go, so that none is left for good.
+            for marker in markers:
+                if marker not in pending:
+                    with contextlib.suppress(Exception):
+                        await self._run(self.store.delete_meta, marker.name)
+                        stats.stale_markers += 1
             if pending:
                 stats.skipped = f"{len(pending)} push(es) in progress"
                 return stats
