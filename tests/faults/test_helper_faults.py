@@ -106,3 +106,18 @@ def test_a_corrupted_image_fails_the_resume_and_stays_paused(node: Node,
         core.write_bytes(original)  # repaired: it resumes
     assert_intact(node, sbx.sandbox_id, sums)
     assert_converged(node, baseline)
+
+
+def test_killing_a_frozen_sandbox_leaves_nothing(node: Node, baseline: set[str]) -> None:
+    """A sandbox whose cgroup a checkpoint left frozen is killed for real: SIGKILL waits for
+    a thaw, so the kill thaws first (it used to time out and leave the tree frozen)."""
+    node.start()
+    sbx, _ = set_up_sandbox(node)
+    (Path("/sys/fs/cgroup/freezer/aenv") / sbx.sandbox_id / "freezer.state").write_text(
+        "FROZEN")
+    t0 = time.monotonic()
+    with node.api() as api:
+        assert api.delete(f"/sandboxes/{sbx.sandbox_id}").status_code == 204
+    assert time.monotonic() - t0 < 5
+    assert not (Path("/sys/fs/cgroup/pids/aenv") / sbx.sandbox_id).exists()
+    assert assert_converged(node, baseline) == {}

@@ -1277,6 +1277,11 @@ class ContainerDriver:
         live = self._live.pop(sandbox_id, None)
         if live is not None:
             live.close_netns()
+        # A frozen task does not die of SIGKILL until it is thawed (a checkpoint cut short
+        # leaves the cgroup frozen): thaw first, or the kill below would wait in vain.
+        freezer = self.cgroups.path("freezer", sandbox_id)
+        if recovery.frozen(freezer):
+            recovery.thaw(freezer)
         if pid is not None:
             # The kernel then kills the init's whole pid namespace; the fork-server (or the
             # host's init) reaps it.
