@@ -169,7 +169,7 @@ class SandboxManager:
             sealing[0].remove_layer if sealing else shutil.rmtree)
         for rec in list(self.store.iter_sandboxes()):
             await self._reattach(rec)
-        report.orphans = await self._sweep_orphans()
+        report.orphans = await self._sweep_orphans(at_start=True)
         log.info("recovery at start: %s", report.summary())
         self.last_recovery = report
         await self._collect_layers()
@@ -1206,15 +1206,17 @@ class SandboxManager:
         raise AenvError(ErrorCode.UNAVAILABLE, f"envd answered {head[:32]!r}")
 
     # ---------------------------------------------------------------- orphans
-    async def _sweep_orphans(self) -> list[str]:
-        """Destroy what no record owns; drop checkpoint images no record names (for the
-        sandboxes no operation holds right now)."""
-        keep = ({r.sandbox_id for r in self.store.iter_sandboxes()} | set(self._records)
-                | self._creating_ids)
+    async def _sweep_orphans(self, at_start: bool = False) -> list[str]:
+        """Destroy what no record owns. At start (nothing in flight) also drop checkpoint
+        images no record names; later a pause or resume may be making or using one whose
+        record does not say so yet, so that cleanup is left to the operations themselves."""
+        def known(sandbox_id: str) -> bool:
+            return (sandbox_id in self._records or sandbox_id in self._creating_ids
+                    or self.store.get_sandbox(sandbox_id) is not None)
+
         idle = [r for r in self._records.values()
-                if not (r.sandbox_id in self._locks and self._locks[r.sandbox_id].locked())
-                and r.state in (SandboxState.RUNNING, SandboxState.PAUSED)]
-        destroyed = await self._recovery.sweep(list(self._drivers.values()), keep, idle)
+                if r.state in (SandboxState.RUNNING, SandboxState.PAUSED)] if at_start else []
+        destroyed = await self._recovery.sweep(list(self._drivers.values()), known, idle)
         if destroyed:
             log.warning("destroyed %d sandboxes that had no record: %s", len(destroyed),
                         ", ".join(destroyed))

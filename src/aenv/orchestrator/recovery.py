@@ -186,14 +186,14 @@ class Recovery:
                 log.warning("snapshot image %s has no record (a capture cut short): deleted",
                             path.name)
 
-    async def sweep(self, drivers: list[RuntimeDriver], keep: set[str],
+    async def sweep(self, drivers: list[RuntimeDriver], known: Callable[[str], bool],
                     idle: list[SandboxRecord]) -> list[str]:
-        """Orphans of every recoverable driver: sandboxes on disk not in `keep`; stale
-        checkpoint images of the `idle` records."""
+        """Orphans of every recoverable driver: sandboxes on disk that are not `known`;
+        stale checkpoint images of the `idle` records."""
         destroyed: list[str] = []
         for driver in drivers:
             if not isinstance(driver, RecoverableDriver):
                 continue
             handles = {r.sandbox_id: _handle(r) for r in idle if r.runtime == driver.name}
-            destroyed += await driver.sweep(keep, handles, self.layout.sandboxes_dir)
+            destroyed += await driver.sweep(known, handles, self.layout.sandboxes_dir)
         return destroyed

@@ -8,7 +8,7 @@ destroy; later pause, resume, snapshot, restore and fork. Operations a driver ca
 from __future__ import annotations
 
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -211,10 +211,11 @@ class RecoverableDriver(Protocol):
     def release_paused(self, paused: RuntimeHandle) -> None:
         """The resume of `paused` is recorded: its paused image may be deleted."""
 
-    async def sweep(self, keep: set[str], idle: dict[str, RuntimeHandle], workspaces: Path
-                    ) -> list[str]:
-        """Destroy sandboxes in `workspaces` not in `keep`; drop checkpoint images the
-        `idle` sandboxes' handles do not name; return the ids destroyed."""
+    async def sweep(self, known: Callable[[str], bool], idle: dict[str, RuntimeHandle],
+                    workspaces: Path) -> list[str]:
+        """Destroy sandboxes in `workspaces` that are not `known` (asked at the moment of
+        each decision); drop checkpoint images the `idle` sandboxes' handles do not name;
+        return the ids destroyed."""
 
 
 @runtime_checkable

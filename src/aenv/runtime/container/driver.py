@@ -47,7 +47,7 @@ import socket
 import stat
 import subprocess
 import time
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -1345,18 +1345,18 @@ class ContainerDriver:
         if workspace:
             await asyncio.to_thread(checkpoint.unmount_root, Path(workspace))
 
-    async def sweep(self, keep: set[str], idle: dict[str, RuntimeHandle], workspaces: Path
-                    ) -> list[str]:
-        """`RecoverableDriver`: destroy sandboxes in `workspaces` not in `keep` (a create cut
-        short, or a fork child whose fork never committed), delete checkpoint images that
-        the records of `idle` sandboxes (no operation on them in flight) do not name, and
-        network slots no process uses any more. Returns the sandbox ids destroyed."""
-        orphans = await asyncio.to_thread(recovery.orphan_workspaces, workspaces,
-                                          keep | self._creating)
+    async def sweep(self, known: Callable[[str], bool], idle: dict[str, RuntimeHandle],
+                    workspaces: Path) -> list[str]:
+        """`RecoverableDriver`: destroy sandboxes in `workspaces` that are not `known` (a
+        create cut short, or a fork child whose fork never committed), delete checkpoint
+        images that the records of `idle` sandboxes (no operation on them in flight) do not
+        name, and network slots no process uses any more. Returns the ids destroyed."""
+        orphans = await asyncio.to_thread(recovery.orphan_workspaces, workspaces, set())
         destroyed = []
         for workspace in orphans:
             sid = workspace.name
-            if sid in self._creating or sid in self._live:
+            # Asked now, not before the listing: a create may have finished meanwhile.
+            if known(sid) or sid in self._creating or sid in self._live:
                 continue
             log.warning("sandbox %s has no record (its create was cut short): destroying it",
                         sid)
