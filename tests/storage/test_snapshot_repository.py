@@ -233,6 +233,35 @@ async def test_gc_removes_the_markers_of_pushes_that_died(repo: Repository) -> N
     assert not (await repo.gc()).skipped
 
 
+async def test_gc_is_not_held_off_by_a_push_whose_server_died(repo: Repository) -> None:
+    """After a `kill -9` in the middle of a push its marker stays; a restarted server redoes
+    the push under a new marker, so the old one used to hold gc off for 6 h. A marker names
+    its writer: one whose process is gone (this host, this boot) goes at once."""
+    import json
+    import subprocess
+    import sys
+
+    from aenv.storage.repository import repository as repo_module
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])  # noqa: ASYNC220
+    owner = {**repo_module.marker_owner(), "pid": child.pid,
+             "start": repo_module._start_time(child.pid)}
+    repo.store.put_meta("pending/died-with-its-server.x",
+                        json.dumps({"at": time.time(), "owner": owner}).encode())
+    held = await repo.gc()
+    assert held.skipped and held.stale_markers == 0  # its writer still runs: a real push
+    child.kill()
+    child.wait()
+    stats = await repo.gc()
+    assert not stats.skipped and stats.stale_markers == 1
+    assert repo.store.list_meta("pending") == []
+    # A marker of a live push of ours (this process) still holds gc off.
+    repo.store.put_meta("pending/live.y", json.dumps(
+        {"at": time.time(), "owner": repo_module.marker_owner()}).encode())
+    assert (await repo.gc()).skipped
+    repo.store.delete_meta("pending/live.y")
+
+
 async def test_bad_ids_and_unsafe_manifest_paths(repo: Repository, tmp_path: Path) -> None:
     for bad in ("../x", "a/b", "", ".hidden", "x" * 200):
         with pytest.raises(AenvError) as exc:

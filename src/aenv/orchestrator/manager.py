@@ -83,6 +83,7 @@ ENVD_CHECK_TIMEOUT_S = 5.0
 # What no record owns (a sandbox a crashed create left, a stale checkpoint image, a network
 # slot nobody uses) is looked for this often; and always at start.
 SWEEP_ORPHANS_INTERVAL_S = 30.0
+GC_FIRST_AFTER_S = 60.0  # the repository's first gc after a start
 
 
 def utcnow() -> datetime:
@@ -1245,15 +1246,21 @@ class SandboxManager:
 
     async def _gc_forever(self) -> None:
         assert self.snapshots is not None
+        # The first one soon after a start: what a crash left (chunks of pushes cut short,
+        # their markers) should not wait a whole interval, which a server restarted more
+        # often than that would never reach.
+        delay = min(GC_FIRST_AFTER_S, self.config.snapshot.gc_interval_s)
         while True:
-            await asyncio.sleep(self.config.snapshot.gc_interval_s)
+            await asyncio.sleep(delay)
+            delay = self.config.snapshot.gc_interval_s
             try:
                 stats = await self.snapshots.repository.gc()
             except Exception:  # the repository may be unreachable for a while
                 log.exception("repository gc failed")
                 continue
-            log.info("repository gc: %d chunks deleted, %d kept%s", stats.blobs_deleted,
-                     stats.blobs_kept, f" (skipped: {stats.skipped})" if stats.skipped else "")
+            log.info("repository gc: %d chunks deleted, %d kept, %d markers of dead pushes "
+                     "removed%s", stats.blobs_deleted, stats.blobs_kept, stats.stale_markers,
+                     f" (skipped: {stats.skipped})" if stats.skipped else "")
 
     async def _expire(self, sandbox_id: str) -> None:
         rec = self._records.get(sandbox_id)

@@ -12,7 +12,9 @@ used only as a hint to skip existence checks for chunks the parent already store
 
 GC safety: `push` writes `pending/<id>.<token>` before it checks any chunk and removes it at
 the end; `gc` writes `locks/gc` and then looks for fresh pending markers (skipping deletion if
-any). Each side writes its own marker before reading the other's, so with a strongly consistent
+any). A marker names the process that wrote it (host, boot, pid and start time): one whose
+writer is known dead (same host and boot, that process gone) is a push a `kill -9` cut short,
+and gc deletes it at once rather than waiting `marker_ttl_s` (6 h) with gc held off. Each side writes its own marker before reading the other's, so with a strongly consistent
 store (posix, S3 since 2020) at least one of them sees the other: gc can never delete a chunk
 that a push has decided to reuse.
 """
@@ -29,6 +31,7 @@ import json
 import os
 import secrets
 import shutil
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -99,6 +102,38 @@ def _syncfs(path: Path) -> None:
 
 def _open_rb(path: Path) -> BinaryIO:
     return path.open("rb")
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _start_time(pid: int) -> int | None:
+    """Field 22 of /proc/PID/stat (clock ticks since boot): with the pid, a process's identity."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_bytes()
+        return int(raw.rsplit(b")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def marker_owner() -> dict[str, Any]:
+    """Who writes a pending marker: this process, identified across pid reuse and reboots."""
+    pid = os.getpid()
+    return {"host": socket.gethostname(), "boot": _boot_id(), "pid": pid,
+            "start": _start_time(pid)}
+
+
+def owner_is_dead(owner: dict[str, Any]) -> bool:
+    """Whether a marker's writer is known to be gone: on this host, since this boot, its
+    process no longer runs (another host's or an older boot's: not known, False)."""
+    if owner.get("host") != socket.gethostname() or owner.get("boot") != _boot_id():
+        return False
+    pid = owner.get("pid")
+    return not isinstance(pid, int) or _start_time(pid) != owner.get("start")
 
 
 class Repository:
@@ -177,7 +212,8 @@ class Repository:
                             f"snapshot {snapshot_id} already exists in {self.description}")
         started = time.monotonic()
         marker = f"pending/{snapshot_id}.{secrets.token_hex(4)}"
-        await self._run(self.store.put_meta, marker, json.dumps({"at": time.time()}).encode())
+        await self._run(self.store.put_meta, marker,
+                        json.dumps({"at": time.time(), "owner": marker_owner()}).encode())
         try:
             await self._wait_for_gc()
             known: set[str] = set()
@@ -198,6 +234,14 @@ class Repository:
         finally:
             with contextlib.suppress(Exception):
                 await self._run(self.store.delete_meta, marker)
+
+    async def _writer_died(self, marker: str) -> bool:
+        raw = await self._run(self.store.get_meta, marker)
+        try:
+            owner = json.loads(raw or b"{}").get("owner")
+        except (ValueError, AttributeError):
+            return False
+        return isinstance(owner, dict) and owner_is_dead(owner)
 
     async def _wait_for_gc(self) -> None:
         deadline = time.monotonic() + self.gc_wait_s
@@ -390,7 +434,8 @@ class Repository:
         await self._run(self.store.put_meta, GC_LOCK, json.dumps({"at": time.time()}).encode())
         try:
             markers = await self._run(self.store.list_meta, "pending")
-            pending = [m for m in markers if time.time() - m.mtime < self.marker_ttl_s]
+            pending = [m for m in markers if time.time() - m.mtime < self.marker_ttl_s
+                       and not await self._writer_died(m.name)]
             # Markers past their time are of pushes that died with their server (kill -9):
             # gc already ignores them; they go, so that none is left for good.
             for marker in markers:
