@@ -416,6 +416,10 @@ async def dump(init_pid: int, images_dir: Path, *, freezer: Path, leave_running:
             # (--tcp-close), and locking and unlocking with nft cost ~15 ms per checkpoint.
             "--manage-cgroups=ignore", "--network-lock", "skip",
             "--freeze-cgroup", str(freezer), "--tcp-close",
+            # A connection still in a listener's accept queue (a client's request arriving
+            # at that moment: envd's health check, a proxied request) made the whole dump
+            # fail ("In-flight connection"): it is dropped instead, and its client retries.
+            "--skip-in-flight",
             "--action-script", str(hook)]
     if leave_running:
         args.append("--leave-running")
