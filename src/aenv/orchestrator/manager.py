@@ -623,6 +623,7 @@ class SandboxManager:
                                    "error", op="pause", error=exc.code.value)
                 self._commit(rec)
                 await self._require_alive_locked(rec)
+                await self._rescue_after_failed_checkpoint(rec, driver)
                 raise
             except BaseException:
                 self._commit(rec)
@@ -637,6 +638,29 @@ class SandboxManager:
                                op="pause", mode=mode, reason=reason,
                                seconds=f"{time.monotonic() - t0:.6f}")
             self._persist_paused(paused, driver)
+
+    async def _rescue_after_failed_checkpoint(self, rec: SandboxRecord,
+                                              driver: RuntimeDriver) -> None:
+        """After a failed pause or snapshot (lock held, `rec` running): a criu killed while
+        its parasite code was inside the sandbox's processes can leave them hung, alive but
+        never answering. Such a sandbox is not left listed as running: envd is asked at
+        once, and if it does not answer, its processes go and it is paused keeping its
+        files (a filesystem pause; the resume boots it afresh), the reason in its log."""
+        why = "no answer"
+        try:
+            if await self._check_envd(rec, asyncio.Semaphore(1)):
+                return
+        except (AenvError, OSError, TimeoutError) as exc:
+            why = str(exc.message if isinstance(exc, AenvError) else exc) or type(exc).__name__
+        if not isinstance(driver, FilesystemPauseDriver):
+            return  # the health checks report it dead if it stays silent
+        log.error("sandbox %s stopped answering after a failed checkpoint (%s): pausing it "
+                  "with its files only", rec.sandbox_id, why)
+        handle = await driver.pause_filesystem(self._handle(rec))
+        self._commit(replace(rec, state=SandboxState.PAUSED, handle=handle.data))
+        self.events.record(rec.sandbox_id, "paused",
+                           "sandbox paused (filesystem): its processes stopped answering "
+                           "after a failed checkpoint", "error", op="pause", mode="filesystem")
 
     async def _resume_locked(self, rec: SandboxRecord, timeout_s: int, memory: bool = True
                              ) -> SandboxRecord:
@@ -784,12 +808,14 @@ class SandboxManager:
             images = self.layout.snapshot(snapshot_id)
             try:
                 await driver.snapshot(self._handle(rec), images)
-            except BaseException:
+            except BaseException as exc:
                 # The image may hold the sealed layer: a read-only subvolume on btrfs.
                 remove = (driver.remove_layer if isinstance(driver, LayerSealingDriver)
                           else functools.partial(shutil.rmtree, ignore_errors=True))
                 with contextlib.suppress(OSError, AenvError):
                     await asyncio.to_thread(remove, images)
+                if isinstance(exc, AenvError):
+                    await self._rescue_after_failed_checkpoint(rec, self._driver(rec))
                 raise
         crash_point("snapshot:dumped")
         if isinstance(driver, LayerSealingDriver):
