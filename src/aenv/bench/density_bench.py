@@ -28,6 +28,7 @@ import httpx
 
 from aenv.bench.stats import mem_available, summarize
 from aenv.devserver import ServerProcess, prepare_home, remove_home
+from aenv.storage.usage import allocated_bytes
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 T = TypeVar("T")
@@ -44,17 +45,6 @@ def _rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     return 0
-
-
-def _tree_bytes(path: Path) -> int:
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_blocks * 512
-            except OSError:
-                pass
-    return total
 
 
 def _server_idle(pid: int, seconds: float) -> tuple[float, int]:
@@ -188,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{summarize('p', pause_lat[-size:]).p50_ms:.1f} ms", flush=True)
         print(summarize(f"pause (0 -> {args.paused} paused, {len(running)} running)",
                         pause_lat).line())
-        disk = sum(_tree_bytes(home / "sandboxes" / sid / "checkpoints")
+        disk = sum(allocated_bytes(home / "sandboxes" / sid / "checkpoints")
                    for sid in random.sample(paused, min(200, len(paused))))
         print(f"  paused image on disk: {disk / min(200, len(paused)) / 2**20:.2f} MiB each "
               f"(sample of {min(200, len(paused))})")

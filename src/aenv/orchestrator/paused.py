@@ -27,7 +27,6 @@ import asyncio
 import collections
 import contextlib
 import logging
-import os
 import shutil
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ from pathlib import Path
 from aenv.errors import AenvError, ErrorCode
 from aenv.runtime.base import PausedStateDriver, RuntimeHandle
 from aenv.storage.repository.repository import Repository
+from aenv.storage.usage import allocated_bytes
 
 log = logging.getLogger("aenv.orchestrator")
 PREFIX = "paused-"
@@ -43,15 +43,6 @@ PERSIST_DELAY_S = 1.0
 
 def entry_name(sandbox_id: str, name: str) -> str:
     return f"{PREFIX}{sandbox_id}-{name}"
-
-
-def _tree_bytes(path: Path) -> int:
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(root, name)).st_blocks * 512
-    return total
 
 
 class PausedStateKeeper:
@@ -95,7 +86,7 @@ class PausedStateKeeper:
         if self.local_budget_bytes > 0:
             image = next((p for n, p in state.items() if n.endswith("-image")), None)
             if image is not None and image.is_dir():
-                size = await asyncio.to_thread(_tree_bytes, image)
+                size = await asyncio.to_thread(allocated_bytes, image)
                 self._not_droppable(sid)
                 self._droppable[sid] = (image, size)
                 self._droppable_bytes += size

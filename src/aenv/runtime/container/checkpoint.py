@@ -56,6 +56,7 @@ from aenv import faults
 from aenv.errors import AenvError, ErrorCode
 from aenv.runtime import process, pybundle
 from aenv.runtime.container import cgroups, linux
+from aenv.storage.usage import apparent_bytes
 
 CRIU = Path("/usr/local/sbin/criu")
 CRIU_MIN_VERSION = (4, 2)
@@ -294,15 +295,6 @@ def thaw(freezer: Path) -> None:
 # --------------------------------------------------------------------------- files
 
 
-def _tree_bytes(root: Path) -> int:
-    total = 0
-    for dirpath, _dirs, files in os.walk(root):
-        for f in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(dirpath, f)).st_size
-    return total
-
-
 async def prepare_workspace(workspace: Path) -> None:
     """A new workspace for a restore, with an empty `upper` and `work`: a btrfs subvolume
     where the filesystem is btrfs, so that its upper can be sealed in O(1) later. The image's
@@ -444,7 +436,7 @@ async def dump(init_pid: int, images_dir: Path, *, freezer: Path, leave_running:
         key, _, value = line.partition(" ")
         marks[key] = float(value)
     hook.unlink()
-    size = await asyncio.to_thread(_tree_bytes, images_dir)
+    size = await asyncio.to_thread(apparent_bytes, images_dir)
     return DumpStats(frozen_s=thawed_at - marks["frozen"],
                      copy_s=marks.get("copied", marks["frozen"]) - marks["frozen"],
                      criu_s=criu_s, total_s=time.monotonic() - t0, image_bytes=size, log=log)

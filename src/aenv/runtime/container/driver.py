@@ -77,6 +77,7 @@ from aenv.runtime.container.network import NetworkPool, Slot
 from aenv.runtime.egress import EgressPolicy
 from aenv.runtime.envd_init import init_body, post_init
 from aenv.runtime.process import LiveProcess, kill_and_wait
+from aenv.storage.usage import allocated_bytes
 
 log = logging.getLogger(__name__)
 _ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")  # a hostname label and a path component
@@ -940,7 +941,7 @@ class ContainerDriver:
             raise AenvError(ErrorCode.NOT_FOUND, f"sandbox {handle.sandbox_id}: {exc}") from None
         cpu_pct = live.cpu_percent(sample.cpu_ns, 1e9)
         upper = Path(handle.data.get("workspace", "")) / "upper"
-        disk = await asyncio.to_thread(_disk_usage, upper)
+        disk = await asyncio.to_thread(allocated_bytes, upper)
         return ResourceUsage(
             cpu_used_pct=round(cpu_pct, 2),
             mem_used_bytes=sample.mem_used,
@@ -1421,30 +1422,3 @@ def _oom_kills(layout: cgroups.CgroupLayout, sandbox_id: str) -> int:
         if key == "oom_kill":
             return int(value)
     return 0
-
-
-def _disk_usage(root: Path) -> int:
-    """Bytes allocated under `root` (hard links counted once). Blocking."""
-    total = 0
-    seen: set[tuple[int, int]] = set()
-    stack = [str(root)]
-    while stack:
-        path = stack.pop()
-        try:
-            entries = list(os.scandir(path))
-        except OSError:
-            continue
-        for entry in entries:
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            if st.st_nlink > 1:
-                key = (st.st_dev, st.st_ino)
-                if key in seen:
-                    continue
-                seen.add(key)
-            total += st.st_blocks * 512
-            if entry.is_dir(follow_symlinks=False):
-                stack.append(entry.path)
-    return total

@@ -25,6 +25,7 @@ from pathlib import Path
 from aenv.errors import AenvError, ErrorCode
 from aenv.storage.repository.manifest import check_snapshot_id
 from aenv.storage.repository.repository import Repository
+from aenv.storage.usage import apparent_bytes
 
 
 @dataclass
@@ -36,18 +37,6 @@ class CacheStats:
     entries: int = 0
     pinned: int = 0
     max_bytes: int = 0
-
-
-def _tree_bytes(path: Path) -> int:
-    total = 0
-    for dirpath, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                st = os.lstat(os.path.join(dirpath, name))
-            except FileNotFoundError:
-                continue
-            total += st.st_size
-    return total
 
 
 class LocalCache:
@@ -69,7 +58,7 @@ class LocalCache:
             if p.name.startswith("."):  # staging/trash of a crashed pull or eviction
                 shutil.rmtree(p, ignore_errors=True)
             elif p.is_dir():
-                self._sizes[p.name] = _tree_bytes(p)
+                self._sizes[p.name] = apparent_bytes(p)
                 self._last_used[p.name] = p.stat().st_mtime
 
     def path(self, snapshot_id: str) -> Path:
@@ -144,7 +133,7 @@ class LocalCache:
         path = self.path(snapshot_id)
         if snapshot_id in self:
             raise AenvError(ErrorCode.CONFLICT, f"cache: snapshot {snapshot_id} is already cached")
-        size = await asyncio.to_thread(_tree_bytes, directory)
+        size = await asyncio.to_thread(apparent_bytes, directory)
         await asyncio.to_thread(os.replace, directory, path)
         self._sizes[snapshot_id] = size
         self._touch(snapshot_id)
