@@ -460,8 +460,7 @@ class SandboxManager:
             network = attachments.updated_network(rec.network, update)
             if rec.state is SandboxState.PAUSED:
                 return self._commit(replace(rec, network=network))
-            if rec.state is not SandboxState.RUNNING:
-                raise AenvError(ErrorCode.CONFLICT, f"sandbox {sandbox_id} is {rec.state.value}")
+            _require_state(rec, SandboxState.RUNNING)
             driver = self._driver(rec)
             if not isinstance(driver, EgressDriver):
                 raise AenvError(ErrorCode.NOT_SUPPORTED,
@@ -544,8 +543,7 @@ class SandboxManager:
             rec = self.get(sandbox_id)
             if rec.state is SandboxState.PAUSED:
                 return await self._resume_locked(rec, timeout_s, memory), True
-            if rec.state is not SandboxState.RUNNING:
-                raise AenvError(ErrorCode.CONFLICT, f"sandbox {sandbox_id} is {rec.state.value}")
+            _require_state(rec, SandboxState.RUNNING)
             await self._require_alive_locked(rec)
             end = max(rec.end_at, utcnow() + timedelta(seconds=timeout_s))
             return self._commit(replace(rec, end_at=end)), False
@@ -575,8 +573,7 @@ class SandboxManager:
         adopting node resumes from it)."""
         async with self._lock(sandbox_id):
             rec = self.get(sandbox_id)
-            if rec.state is not SandboxState.PAUSED:
-                raise AenvError(ErrorCode.CONFLICT, f"sandbox {sandbox_id} is {rec.state.value}")
+            _require_state(rec, SandboxState.PAUSED)
             try:
                 await self._driver(rec).destroy(self._handle(rec))
             finally:
@@ -592,8 +589,7 @@ class SandboxManager:
             rec = self.get(sandbox_id)
             if rec.state is SandboxState.PAUSED:
                 raise AenvError(ErrorCode.CONFLICT, f"sandbox {sandbox_id} is already paused")
-            if rec.state is not SandboxState.RUNNING:
-                raise AenvError(ErrorCode.CONFLICT, f"sandbox {sandbox_id} is {rec.state.value}")
+            _require_state(rec, SandboxState.RUNNING)
             driver = self._driver(rec)
             if not isinstance(driver, PausableDriver):
                 raise AenvError(ErrorCode.NOT_SUPPORTED,
@@ -798,8 +794,7 @@ class SandboxManager:
             raise AenvError(ErrorCode.CONFLICT, f"a template or snapshot named '{name}' exists")
         async with self._lock(sandbox_id):
             rec = self.get(sandbox_id)
-            if rec.state is not SandboxState.RUNNING:
-                raise AenvError(ErrorCode.CONFLICT, f"sandbox {sandbox_id} is {rec.state.value}")
+            _require_state(rec, SandboxState.RUNNING)
             await self._require_alive_locked(rec)
             driver = _snapshot_driver(self._driver(rec))
             source = self.find_template(rec.template_id)
@@ -1324,6 +1319,12 @@ def pause_mode(rec: SandboxRecord) -> str | None:
     if rec.state is not SandboxState.PAUSED:
         return None
     return "filesystem" if rec.handle.get("fs_paused") else "full"
+
+
+def _require_state(rec: SandboxRecord, state: SandboxState) -> None:
+    """AenvError(CONFLICT) unless the sandbox is in `state`: the operation's precondition."""
+    if rec.state is not state:
+        raise AenvError(ErrorCode.CONFLICT, f"sandbox {rec.sandbox_id} is {rec.state.value}")
 
 
 def _gone(sandbox_id: str, reason: str) -> AenvError:
