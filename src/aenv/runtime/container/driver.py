@@ -1111,26 +1111,13 @@ class ContainerDriver:
         return RuntimeHandle(self.name, sid, data)
 
     async def _stop_keeping_files(self, sid: str, data: dict[str, Any]) -> None:
-        """What `_cleanup` does but removing the workspace: the sandbox's processes, cgroups,
-        network slot and root mount go; its upper stays, ready for a new boot on it."""
-        live = self._live.pop(sid, None)
-        if live is not None:
-            live.close_netns()
+        """`_cleanup` but for the workspace: the sandbox's processes, cgroups, network slot
+        and root mount go; its upper stays, ready for a new boot on it."""
         pid = data.get("pid")
-        if pid:
-            await kill_and_wait(int(pid), data.get("start_time"), "sandbox init")
-        await self._kill_cgroup(sid)
-        try:
-            await asyncio.to_thread(self.cgroups.remove, sid)
-        except OSError as exc:
-            raise AenvError(ErrorCode.INTERNAL, f"sandbox {sid}: cgroup: {exc}") from None
-        if data.get("slot"):
-            await self._ensure_network()
-            await self.network.release(str(data["slot"]))
-        workspace = Path(data["workspace"])
-        checkpoint.unmount_root(workspace)  # a restored sandbox's root
-        # overlayfs refuses a work dir a volatile mount used: the next boot makes a new one.
-        await asyncio.to_thread(shutil.rmtree, workspace / "work", True)
+        workspace = await self._stop(sid, data, int(pid) if pid else None, data.get("start_time"))
+        if workspace is not None:
+            # overlayfs refuses a work dir a volatile mount used: the next boot makes a new one.
+            await asyncio.to_thread(shutil.rmtree, workspace / "work", True)
 
     async def boot_paused(self, handle: RuntimeHandle, spec: SandboxSpec) -> RuntimeHandle:
         """`FilesystemPauseDriver`: a fresh sandbox (envd as init, the template's start)
@@ -1275,6 +1262,14 @@ class ContainerDriver:
 
     async def _cleanup(self, sandbox_id: str, data: dict[str, Any], pid: int | None,
                        start_time: int | None = None) -> None:
+        workspace = await self._stop(sandbox_id, data, pid, start_time)
+        if workspace is not None:
+            await asyncio.to_thread(shutil.rmtree, workspace, True)
+
+    async def _stop(self, sandbox_id: str, data: dict[str, Any], pid: int | None,
+                    start_time: int | None) -> Path | None:
+        """A sandbox's processes, cgroups, network slot and root mount go (what `_cleanup`
+        and a filesystem pause share); returns its workspace, left on disk."""
         live = self._live.pop(sandbox_id, None)
         if live is not None:
             live.close_netns()
@@ -1297,9 +1292,10 @@ class ContainerDriver:
             await self._ensure_network()
             await self.network.release(str(data["slot"]))
         workspace = data.get("workspace")
-        if workspace:
-            checkpoint.unmount_root(Path(workspace))  # a restore that crashed half-way
-            await asyncio.to_thread(shutil.rmtree, workspace, True)
+        if not workspace:
+            return None
+        checkpoint.unmount_root(Path(workspace))  # a restore that crashed half-way
+        return Path(workspace)
 
     # ------------------------------------------------------------------ crash recovery
     async def settle(self, handle: RuntimeHandle, images: Path | None = None) -> None:
