@@ -105,10 +105,16 @@ class Recovery:
         only the driver can delete: a read-only subvolume)."""
         report = RecoveryReport()
         transient = {t.template_id for t in self.store.iter_templates() if t.transient}
-        for rec in list(self.store.iter_sandboxes()):
-            driver = await self._driver(rec)
-            if driver is None:
-                continue
+        records = [(rec, driver) for rec in list(self.store.iter_sandboxes())
+                   if (driver := await self._driver(rec)) is not None]
+        # First, whatever a dead server left working on them (criu) stops, and frozen ones
+        # are thawed: one pass per driver (one scan of the host's processes).
+        in_flight = (SandboxState.RUNNING, SandboxState.PAUSING, SandboxState.RESUMING)
+        for driver in {id(d): d for _, d in records}.values():
+            if isinstance(driver, RecoverableDriver):
+                report.thawed_or_settled += await driver.settle(
+                    [_handle(r) for r, d in records if d is driver and r.state in in_flight])
+        for rec, driver in records:
             recoverable = driver if isinstance(driver, RecoverableDriver) else None
             state = rec.state
             if state in (SandboxState.CREATING, SandboxState.KILLING):
@@ -117,9 +123,6 @@ class Recovery:
                 continue
             if recoverable is None:
                 continue  # as before: re-attached if alive, else removed (manager._reattach)
-            if state in (SandboxState.RUNNING, SandboxState.PAUSING):
-                await recoverable.settle(_handle(rec))
-                report.thawed_or_settled.append(rec.sandbox_id)
             if state is SandboxState.RUNNING and rec.template_id in transient:
                 await self._destroy(rec, driver, "a child of a fork that never returned", report)
                 continue
@@ -147,7 +150,6 @@ class Recovery:
                                     "complete image", report)
                 continue
             if state is SandboxState.RESUMING:
-                await recoverable.settle(_handle(rec))
                 await recoverable.abort_resume(_handle(rec))
                 self.store.put_sandbox(replace(rec, state=SandboxState.PAUSED))
                 report.rolled_back_to_paused.append(rec.sandbox_id)

@@ -197,9 +197,9 @@ class RecoverableDriver(Protocol):
     """A driver that settles what a server killed in the middle of an operation left behind
     (orchestrator/recovery.py decides which call each sandbox needs, from its record)."""
 
-    async def settle(self, handle: RuntimeHandle, images: Path | None = None) -> None:
-        """Stop helpers (criu) a dead server left working on the sandbox (or on `images`,
-        a snapshot's image dir) and thaw it if a checkpoint left it frozen."""
+    async def settle(self, handles: list[RuntimeHandle]) -> list[str]:
+        """Stop helpers (criu) a dead server left working on these sandboxes and thaw those
+        a checkpoint left frozen; return the ids it did something for."""
 
     def interrupted_pause(self, handle: RuntimeHandle) -> RuntimeHandle | None:
         """A sandbox whose processes are gone after a pause was cut short: its paused

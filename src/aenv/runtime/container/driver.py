@@ -1298,22 +1298,32 @@ class ContainerDriver:
         return Path(workspace)
 
     # ------------------------------------------------------------------ crash recovery
-    async def settle(self, handle: RuntimeHandle, images: Path | None = None) -> None:
-        """`RecoverableDriver`: stop what a dead server left working on this sandbox (a criu
-        dump or restore: on its init, its workspace or `images`), then thaw its cgroup if
-        a checkpoint left it frozen. Its processes, if alive, run on as before."""
-        sid = handle.sandbox_id
-        pid = handle.data.get("pid")
-        paths = [Path(p) for p in (handle.data.get("workspace"), images) if p]
-        helpers = await asyncio.to_thread(recovery.helpers_of, int(pid) if pid else None, paths)
-        for helper in helpers:
-            log.warning("sandbox %s: stopping criu (pid %d) left by a previous server", sid,
-                        helper)
-            await kill_and_wait(helper, None, "criu")
-        freezer = self.cgroups.path("freezer", sid)
-        if recovery.frozen(freezer):
-            log.warning("sandbox %s: thawing it (frozen by a checkpoint a crash cut short)", sid)
-            recovery.thaw(freezer)
+    async def settle(self, handles: list[RuntimeHandle]) -> list[str]:
+        """`RecoverableDriver`: stop what a dead server left working on these sandboxes (a
+        criu dump or restore: on a sandbox's init or in its workspace), then thaw those a
+        checkpoint left frozen. Their processes, if alive, run on as before. Returns the
+        ids of the sandboxes it had to do something for."""
+        criu = await asyncio.to_thread(recovery.criu_processes)
+        settled = []
+        for handle in handles:
+            sid = handle.sandbox_id
+            pid = handle.data.get("pid")
+            workspace = handle.data.get("workspace")
+            helpers = recovery.helpers_of(int(pid) if pid else None,
+                                          [Path(workspace)] if workspace else [], criu)
+            for helper in helpers:
+                log.warning("sandbox %s: stopping criu (pid %d) left by a previous server",
+                            sid, helper)
+                await kill_and_wait(helper, None, "criu")
+            freezer = self.cgroups.path("freezer", sid)
+            thawing = recovery.frozen(freezer)
+            if thawing:
+                log.warning("sandbox %s: thawing it (frozen by a checkpoint a crash cut "
+                            "short)", sid)
+                recovery.thaw(freezer)
+            if helpers or thawing:
+                settled.append(sid)
+        return settled
 
     def interrupted_pause(self, handle: RuntimeHandle) -> RuntimeHandle | None:
         """`RecoverableDriver`: for a sandbox whose pause was cut short after its processes

@@ -38,22 +38,28 @@ def _cmdline(pid: str) -> list[str]:
     return [arg.decode(errors="replace") for arg in raw.split(b"\0") if arg]
 
 
-def helpers_of(init_pid: int | None, paths: Iterable[Path]) -> list[int]:
-    """Pids of criu processes working on a sandbox: a dump of its init (`-t <pid>`) or any
-    criu run naming a path under one of `paths` (its workspace, a snapshot's image dir)."""
-    prefixes = [str(p).rstrip("/") + "/" for p in paths]
+def criu_processes() -> list[tuple[int, list[str]]]:
+    """Every criu process on the host with its arguments: one scan of /proc, shared by all
+    the sandboxes a start-up settles."""
     found = []
     for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        argv = _cmdline(pid)
-        if not argv or Path(argv[0]).name != "criu":
-            continue
+        if pid.isdigit() and (argv := _cmdline(pid)) and Path(argv[0]).name == "criu":
+            found.append((int(pid), argv))
+    return found
+
+
+def helpers_of(init_pid: int | None, paths: Iterable[Path],
+               criu: list[tuple[int, list[str]]]) -> list[int]:
+    """Pids among `criu` (criu_processes) working on a sandbox: a dump of its init
+    (`-t <pid>`) or a criu run naming a path under one of `paths` (its workspace)."""
+    prefixes = [str(p).rstrip("/") + "/" for p in paths]
+    found = []
+    for pid, argv in criu:
         dumps_init = init_pid is not None and any(
             a == "-t" and b == str(init_pid) for a, b in itertools.pairwise(argv))
         if dumps_init or any(arg.startswith(p) or arg + "/" in prefixes
                              for arg in argv for p in prefixes):
-            found.append(int(pid))
+            found.append(pid)
     return found
 
 
